@@ -1,0 +1,154 @@
+"""Advantages for StarPO: where the trajectory reward sits, GAE (PPO) and group-normalised scores (GRPO).
+
+Paper: RAGEN, section 2.2 (StarPO). The objective is trajectory-level, J = E_{M, tau ~ pi}[R(tau)]: one whole
+multi-turn interaction (prompt, every reply, every environment message) is one training sequence, and PPO and
+GRPO differ only in how that sequence's token-level advantage is estimated. Appendix A describes the PPO critic
+and GAE, Appendix C.2 the settings gamma = lambda = 1.
+
+Token convention shared by every file: a row of a [B, T] tensor holds one whole trajectory, right-padded, and
+`mask[:, t] == 1` exactly on the tokens the policy sampled (replies), 0 on prompt, environment messages and
+padding. The mask comes from positions recorded during the rollout, never from token ids.
+
+Deliberate deviations from the paper / RAGEN (which uses verl's estimators):
+1. `gae` zeroes the advantage on tokens outside the mask (verl carries the running value there). Those tokens
+   never enter a loss, so this only makes the tensors easier to read and test. `returns = advantages + values`
+   holds everywhere, so outside the mask `returns == values`.
+2. `gae` raises ValueError when a reward sits on a token outside the mask; verl silently drops it. Use
+   `place_reward_on_last_token`, which always puts the reward on a sampled token.
+3. `grpo_advantages` gives 0 to a group of one (verl divides such a score by 1 + eps, i.e. the raw score is the
+   advantage); with no group-mates there is no baseline, so no learning signal is the honest answer.
+4. `whiten` zeroes the output outside the mask (verl leaves whitened junk there) and needs at least two sampled
+   tokens (the unbiased variance, as in verl's masked_whiten, is undefined for one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def place_reward_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Put each trajectory's total reward on its last sampled token, 0 elsewhere (section 2.2: J = E[R(tau)]).
+
+    scores: [B] total reward of each trajectory (env rewards + format penalties); mask: [B, T].
+    A row with no sampled token gets all zeros (its reward cannot be credited to any action).
+    """
+    if scores.dim() != 1 or mask.dim() != 2 or scores.shape[0] != mask.shape[0]:
+        raise ValueError(f"scores must be [B] and mask [B, T] with the same B, got {tuple(scores.shape)} "
+                         f"and {tuple(mask.shape)}")
+    sampled = mask > 0  # [B, T]
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)  # [B, T]
+    last = torch.where(sampled, positions, -1).amax(dim=1)  # [B], -1 for an all-masked row
+    has_token = last >= 0  # [B]
+    dtype = scores.dtype if scores.is_floating_point() else torch.float32
+    token_rewards = torch.zeros(mask.shape, dtype=dtype, device=mask.device)  # [B, T]
+    # scatter instead of boolean indexing: no host sync, and all-masked rows write a 0 to column 0
+    values = torch.where(has_token, scores.to(dtype), 0.0)  # [B]
+    token_rewards.scatter_(1, last.clamp(min=0).unsqueeze(1), values.unsqueeze(1))
+    return token_rewards
+
+
+def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the sampled tokens of multi-turn sequences (Appendix A).
+
+    token_rewards, values, mask: [B, T]; values[:, t] is the critic's value of the state just before token t.
+    Tokens outside the mask are skipped: their value and TD error do not enter the recursion, so the chain runs
+    from the last reply token of one turn straight to the first reply token of the next, across the environment
+    message in between. After a row's last sampled token the next value is 0 (the episode ended).
+    Returns (advantages [B, T], returns [B, T]) with returns = advantages + values; advantages are 0 outside the
+    mask. Paper setting: gamma = lam = 1 (Appendix C.2). Whitening is separate (`whiten`), as in verl.
+    """
+    if token_rewards.shape != values.shape or values.shape != mask.shape or mask.dim() != 2:
+        raise ValueError(f"token_rewards, values and mask must share one [B, T] shape, got "
+                         f"{tuple(token_rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}")
+    if not (0.0 <= gamma <= 1.0) or not (0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma}, lam={lam}")
+    sampled = mask > 0  # [B, T]
+    if bool(((token_rewards != 0) & ~sampled).any()):
+        raise ValueError("token_rewards has non-zero entries outside mask; rewards must sit on sampled tokens "
+                         "(see place_reward_on_last_token)")
+    with torch.no_grad():
+        rewards = token_rewards.float()
+        vals = values.float()
+        B, T = mask.shape
+        next_value = torch.zeros(B, device=mask.device)  # [B] value of the next sampled token's state
+        running = torch.zeros(B, device=mask.device)  # [B] advantage of the next sampled token
+        advantages = torch.zeros(B, T, device=mask.device)  # [B, T]
+        for t in reversed(range(T)):
+            delta = rewards[:, t] + gamma * next_value - vals[:, t]  # [B]
+            adv_t = delta + gamma * lam * running  # [B]
+            on = sampled[:, t]  # [B]
+            # where, not arithmetic: a non-finite value on a skipped token must not leak into the chain
+            running = torch.where(on, adv_t, running)
+            next_value = torch.where(on, vals[:, t], next_value)
+            advantages[:, t] = torch.where(on, adv_t, 0.0)
+        returns = advantages + vals
+    return advantages, returns
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Masked whitening over the whole batch: mean 0, std 1 over the tokens where mask == 1 (as verl does for
+    PPO advantages). Unbiased variance, x' = (x - mean) / sqrt(var + eps); `shift_mean=False` adds the mean back
+    (only the scale changes). Outside the mask the result is 0.
+    """
+    if x.shape != mask.shape:
+        raise ValueError(f"x and mask must have the same shape, got {tuple(x.shape)} and {tuple(mask.shape)}")
+    sampled = mask > 0
+    count = int(sampled.sum())
+    if count < 2:
+        raise ValueError(f"whiten needs at least 2 tokens with mask == 1, got {count}")
+    xs = torch.where(sampled, x.float(), 0.0)
+    mean = xs.sum() / count
+    var = (torch.where(sampled, x.float() - mean, 0.0) ** 2).sum() / (count - 1)  # unbiased, as verl
+    out = (x.float() - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return torch.where(sampled, out, 0.0)
+
+
+def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence, eps: float = 1e-6,
+                    norm_by_std: bool = True) -> torch.Tensor:
+    """GRPO's critic-free advantage (section 2.2): (score - group mean) / (group std + eps).
+
+    scores: [B] trajectory rewards; group_ids: [B] (tensor of ints, or any sequence of hashables) marking the
+    rollouts of the same prompt. Std is the unbiased (Bessel-corrected) one, as verl/RAGEN compute it. A group
+    of one gets 0 (deviation 3 in the module docstring). `norm_by_std=False` is Dr.GRPO's mean-only version.
+    Returns [B]; use `broadcast_to_tokens` to spread it over each trajectory's sampled tokens.
+    """
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be 1-D [B], got shape {tuple(scores.shape)}")
+    if isinstance(group_ids, torch.Tensor):
+        if group_ids.shape != scores.shape:
+            raise ValueError(f"group_ids must be [B] like scores, got {tuple(group_ids.shape)}")
+        _, inverse = torch.unique(group_ids.to(scores.device), return_inverse=True)  # [B] in 0..G-1
+    else:
+        ids = list(group_ids)
+        if len(ids) != scores.shape[0]:
+            raise ValueError(f"group_ids has {len(ids)} entries, scores has {scores.shape[0]}")
+        index_of: dict = {}
+        inverse = torch.tensor([index_of.setdefault(g, len(index_of)) for g in ids], dtype=torch.long,
+                               device=scores.device)
+    if scores.shape[0] == 0:
+        return scores.float().clone()
+    s = scores.float()
+    G = int(inverse.max()) + 1
+    count = torch.zeros(G, device=s.device).index_add_(0, inverse, torch.ones_like(s))  # [G]
+    mean = torch.zeros(G, device=s.device).index_add_(0, inverse, s) / count  # [G]
+    centered = s - mean[inverse]  # [B]
+    if not norm_by_std:
+        adv = centered
+    else:
+        sq = torch.zeros(G, device=s.device).index_add_(0, inverse, centered ** 2)  # [G]
+        std = torch.sqrt(sq / (count - 1).clamp(min=1))  # [G] unbiased
+        adv = centered / (std[inverse] + eps)
+    return torch.where(count[inverse] > 1, adv, 0.0)
+
+
+def broadcast_to_tokens(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Spread one advantage per trajectory [B] over its sampled tokens: adv[:, None] * mask -> [B, T]."""
+    if adv.dim() != 1 or mask.dim() != 2 or adv.shape[0] != mask.shape[0]:
+        raise ValueError(f"adv must be [B] and mask [B, T] with the same B, got {tuple(adv.shape)} and "
+                         f"{tuple(mask.shape)}")
+    return adv.float().unsqueeze(1) * mask.float()

@@ -1,0 +1,227 @@
+"""Benchmarks, one section per concept: `python bench.py` runs every section, `python bench.py fused` one.
+
+Sections (a plain dict below, SECTIONS):
+  fused  forward + backward of the fused chunked log-prob/entropy path (starpo.fused_logprobs_entropy) against
+         the naive full-logits path at the Qwen2.5-0.5B head shape (H = 896, V = 151,936), fp32: median time
+         and peak memory of each, and the ratio fused/naive measured in the same run (issue 4 target: peak
+         memory <= 1/8 of naive, time <= 1.3x). The issue's shape is 4 x 1024 tokens:
+             python bench.py fused --fused-seqs 4 --fused-seq-len 1024
+         (about 12 GB of RAM and about 10 minutes on one CPU thread). The default, 1 x 1024 tokens in chunks
+         of 256 (the same 4 chunks per call), stays near two minutes on a 2-core laptop; at so few tokens the
+         fixed 519 MiB weight gradient dominates the fused peak, so read the memory target at the issue's shape.
+
+Peak memory: on CUDA, torch.cuda.max_memory_allocated() minus the allocation before the call (exact, counts
+only tensors). On CPU (torch has no CPU allocator statistics), the process's peak resident set size: the Linux
+high-water mark VmHWM is reset through /proc/self/clear_refs before each call and read after it, minus VmRSS
+before it; this counts every page the process touched, so it is slightly pessimistic but never misses a
+short-lived tensor. Where that reset is not allowed, a thread samples VmRSS every millisecond instead (can miss
+peaks shorter than that). Either way the measured path runs with torch.set_num_threads(--threads), default 1:
+with 2 threads small forward/backward passes were erratic on these machines (see the developers' guide).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import threading
+import time
+
+import torch
+
+from starpo import fused_logprobs_entropy, naive_logprobs_entropy
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Memory and time measurement
+# ----------------------------------------------------------------------------------------------------------
+
+def _proc_status_kb(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _reset_hwm() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5" resets the peak RSS (VmHWM), Linux >= 4.0
+        return True
+    except OSError:
+        return False
+
+
+class PeakMemory:
+    """Peak memory (bytes) used by the code run between start() and stop(), above what was in use before."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            self.method = "torch.cuda.max_memory_allocated (tensors only)"
+        elif _proc_status_kb("VmRSS") is not None and _reset_hwm():
+            self.method = "Linux peak RSS (VmHWM reset via /proc/self/clear_refs) minus RSS before"
+        elif _proc_status_kb("VmRSS") is not None:
+            self.method = "VmRSS sampled every 1 ms by a thread (may miss sub-millisecond peaks)"
+        else:
+            self.method = "unavailable (no /proc)"
+
+    def start(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        elif self.method.startswith("Linux"):
+            self.base = _proc_status_kb("VmRSS") * 1024
+            _reset_hwm()
+        elif self.method.startswith("VmRSS"):
+            self.base = _proc_status_kb("VmRSS") * 1024
+            self.sampled = self.base
+            self.running = True
+
+            def sample():
+                while self.running:
+                    self.sampled = max(self.sampled, _proc_status_kb("VmRSS") * 1024)
+                    time.sleep(0.001)
+
+            self.thread = threading.Thread(target=sample, daemon=True)
+            self.thread.start()
+
+    def stop(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return float(torch.cuda.max_memory_allocated(self.device) - self.base)
+        if self.method.startswith("Linux"):
+            return float(_proc_status_kb("VmHWM") * 1024 - self.base)
+        if self.method.startswith("VmRSS"):
+            self.running = False
+            self.thread.join()
+            return float(self.sampled - self.base)
+        return float("nan")
+
+
+def _sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Section: fused
+# ----------------------------------------------------------------------------------------------------------
+
+def bench_fused(args) -> dict:
+    device = torch.device(args.device)
+    n = args.fused_seqs * args.fused_seq_len
+    H, V = args.fused_hidden, args.fused_vocab
+    chunk = args.fused_chunk or max(1, min(1024, n // 4))
+    gen = torch.Generator().manual_seed(0)
+    # a Qwen-like head: logits of std ~ 3, so the softmax is neither flat nor one-hot
+    weight = (torch.randn(V, H, generator=gen) * (3.0 / H ** 0.5)).to(device).requires_grad_()  # [V, H]
+    hidden = torch.randn(n, H, generator=gen).to(device).requires_grad_()  # [N, H]
+    targets = torch.randint(0, V, (n,), generator=gen).to(device)  # [N]
+    g_logp = torch.randn(n, generator=gen).to(device)  # upstream grads: a loss that uses both outputs
+    g_ent = torch.randn(n, generator=gen).to(device)
+
+    def run(path: str, h, w, t, gl, ge):
+        if path == "fused":
+            logp, ent = fused_logprobs_entropy(h, w, None, t, 1.0, chunk)
+        else:
+            logp, ent = naive_logprobs_entropy(h, w, None, t, 1.0)
+        ((logp * gl).sum() + (ent * ge).sum()).backward()
+        return logp.detach(), ent.detach()
+
+    # warm-up on a few tokens (thread pools, kernel selection), not timed
+    k = min(n, 64)
+    for path in ("naive", "fused"):
+        run(path, hidden[:k].detach().requires_grad_(), weight, targets[:k], g_logp[:k], g_ent[:k])
+    weight.grad = None
+
+    meter = PeakMemory(device)
+    times = {"naive": [], "fused": []}
+    peaks = {"naive": [], "fused": []}
+    outputs = {}
+    for rep in range(args.repeats):
+        order = ("naive", "fused") if rep % 2 == 0 else ("fused", "naive")  # alternate against drift
+        for path in order:
+            hidden.grad = None
+            weight.grad = None
+            meter.start()
+            _sync(device)
+            t0 = time.perf_counter()
+            out = run(path, hidden, weight, targets, g_logp, g_ent)
+            _sync(device)
+            times[path].append(time.perf_counter() - t0)
+            peaks[path].append(meter.stop())
+            if rep == 0:
+                outputs[path] = (out, hidden.grad.clone(), weight.grad.clone())
+            del out
+    hidden.grad = None
+    weight.grad = None
+
+    (lp_f, en_f), gh_f, gw_f = outputs["fused"]
+    (lp_n, en_n), gh_n, gw_n = outputs["naive"]
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    med = {p: (statistics.median(times[p]), statistics.median(peaks[p])) for p in times}
+    time_ratio = med["fused"][0] / med["naive"][0]
+    mem_ratio = med["fused"][1] / med["naive"][1]
+    grad_w_mb = V * H * 4 / 2 ** 20
+
+    print(f"[fused] head H={H} V={V}, tokens {args.fused_seqs} x {args.fused_seq_len} = {n}, chunk {chunk}, "
+          f"fp32, {device.type}, threads={torch.get_num_threads()}, repeats={args.repeats}")
+    print(f"[fused] peak memory: {meter.method}; includes the fp32 [V, H] weight gradient "
+          f"({grad_w_mb:.0f} MiB) in both paths")
+    print(f"[fused] {'path':6s} {'time s (median; all)':34s} {'peak MiB (median)':>18s}")
+    for p in ("naive", "fused"):
+        all_t = ", ".join(f"{t:.2f}" for t in times[p])
+        print(f"[fused] {p:6s} {med[p][0]:8.3f}  ({all_t}){'':{max(0, 22 - len(all_t))}s} "
+              f"{med[p][1] / 2 ** 20:18.0f}")
+    print(f"[fused] ratio fused/naive: time {time_ratio:.2f}x (target <= 1.3x), peak memory {mem_ratio:.3f} "
+          f"(target <= 0.125)")
+    grad_w = V * H * 4
+    print(f"[fused] peak memory beyond the weight gradient both paths need: fused/naive "
+          f"{(med['fused'][1] - grad_w) / (med['naive'][1] - grad_w):.3f}")
+    print(f"[fused] fused vs naive rel. error: logp {rel(lp_f, lp_n):.1e}, entropy {rel(en_f, en_n):.1e}, "
+          f"grad hidden {rel(gh_f, gh_n):.1e}, grad weight {rel(gw_f, gw_n):.1e}")
+    return {"time_naive_s": med["naive"][0], "time_fused_s": med["fused"][0], "peak_naive_mib":
+            med["naive"][1] / 2 ** 20, "peak_fused_mib": med["fused"][1] / 2 ** 20, "time_ratio": time_ratio,
+            "memory_ratio": mem_ratio}
+
+
+SECTIONS = {
+    "fused": bench_fused,
+}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sections", nargs="*", help=f"sections to run, any of {list(SECTIONS)}; default: all")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see docstring)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per path (median reported)")
+    parser.add_argument("--fused-seqs", type=int, default=1, help="sequences (issue 4 shape: 4)")
+    parser.add_argument("--fused-seq-len", type=int, default=1024, help="tokens per sequence (issue 4: 1024)")
+    parser.add_argument("--fused-hidden", type=int, default=896, help="H, Qwen2.5-0.5B: 896")
+    parser.add_argument("--fused-vocab", type=int, default=151936, help="V, Qwen2.5: 151936")
+    parser.add_argument("--fused-chunk", type=int, default=None,
+                        help="tokens per chunk of the fused path (default: tokens / 4, at most 1024, i.e. 1024 "
+                             "= UpdateConfig.chunk_size at the issue's shape)")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    if args.repeats < 1 or args.threads < 1:
+        parser.error(f"--repeats and --threads must be >= 1, got {args.repeats}, {args.threads}")
+    torch.set_num_threads(args.threads)
+    results = {}
+    for name in args.sections or list(SECTIONS):
+        results[name] = SECTIONS[name](args)
+    return results
+
+
+if __name__ == "__main__":
+    main()

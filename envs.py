@@ -1,0 +1,629 @@
+"""Text environments of the RAGEN paper: Bandit, Sokoban (three variants) and FrozenLake, with experts.
+
+Concept: every environment is a small, seeded, text-in/text-out class with one public shape
+(`make_env`, `name`, `actions`, `instruction`, `reset(seed)`, `step(action)`, `render()`,
+`expert_action()`, `done`). The paper's symbolic tasks (Section 3.1): Bandit (one step, stochastic
+payoff, risk-sensitive reasoning), Sokoban (multi-turn, deterministic, irreversible pushes),
+FrozenLake (multi-turn, stochastic transitions). Evaluation uses 256 fixed prompts (Section 3.3):
+`EVAL_SEEDS` = 123..378; `train_seeds` draws training seeds that can never collide with them.
+The initial state (room/map generation, arm order) comes from a `numpy.random.Generator` seeded by
+`reset(seed)`; the dynamics' noise (bandit payoffs, slips) from a second one seeded by (seed, sample), where
+`sample` (default 0) numbers the rollouts of one prompt. So (seed, sample, action words) fully determine an
+episode, and the N rollouts of a group share their start but not their luck (see deviation 2).
+The experts feed the SFT baseline (Appendix G: BFS expert trajectories) and the tests.
+
+Deliberate deviations from the paper or RAGEN's code:
+1. Bandit safe arm pays 0.15 (paper Appendix); RAGEN's code pays 0.1. Risky arm: 1.0 w.p. 0.25 else 0.
+2. Rollouts of one prompt draw independent payoffs/slips through `reset(seed, sample)` (RAGEN adds a
+   per-instance counter to the seed for the same purpose). With one shared noise stream per prompt, GRPO
+   would compare the arms on a single coin flip per group: 3 groups in 4 would then rank the safe arm
+   higher, and a group-normalised update would learn the wrong arm. The instruction and `actions` list the arms alphabetically (identical
+   for `bandit` and `bandit-rev`); only the observation lists them in a random order per reset.
+3. Randomness: one numpy Generator per reset instead of RAGEN's global `random` + legacy numpy
+   seeding, so a given seed gives a different room/map than RAGEN (same generator algorithm, same
+   distribution). A failed Sokoban generation attempt continues the same stream instead of RAGEN's
+   re-seeding with `hash(str(seed))` (which depends on the process's hash salt).
+4. Sokoban generation follows RAGEN/gym-sokoban: random-walk topology (int(1.7 * (h + w)) steps,
+   p_change_directions 0.35, five masks), targets and player placed on the floor, reverse play by a
+   depth-limited DFS that scores states by box_swaps * box displacement (4 topology tries), then
+   0-3 random player moves (probability 0.8 if the box displacement is 1, else 0.5; continue 0.5).
+   The DFS search depth per variant is RAGEN's config/envs.yaml value: sokoban 300,
+   sokoban-newvocab 30, sokoban-large 10. No filter on solution length: some rooms need more than
+   the rollout's 10 actions (as in RAGEN).
+5. Sokoban reward follows gym-sokoban's count-based rule: -0.1 per valid step (also when blocked),
+   +1 when the number of boxes on targets rises, -1 when it falls (a push from target to target
+   gives 0), +10 when solved. No step limit (gym-sokoban ends at max_steps=100): budgets belong to
+   the rollout. An unknown action word is invalid: reward 0, nothing changes (RAGEN's env never
+   sees one; its rollout applies the format penalty).
+6. Text: grids are rows of symbols without spaces; instructions are short paraphrases of RAGEN's
+   prompts without answer-format instructions (the rollout owns the answer format).
+7. FrozenLake map generation is RAGEN's (tile frozen w.p. p=0.8, start and goal at random, regenerate
+   until a 4-neighbour path avoids holes); slips are gymnasium's (intended or either perpendicular
+   direction, 1/3 each, never backwards; blocked at the border) but drawn from the same Generator as
+   the map (gymnasium uses a second generator seeded with the same seed). The start tile is shown
+   as frozen, as in RAGEN.
+8. Experts (RAGEN has no FrozenLake expert; its Sokoban BFS caps depth at 100): Sokoban returns the
+   first step of a fewest-moves BFS plan (uncapped, cached per state); FrozenLake maximises the
+   probability of ever reaching the goal (undiscounted value iteration), and among the actions that
+   achieve it picks the one with the best 0.9-discounted success value so that it never dawdles
+   (e.g. bumping into a wall keeps the success probability but wastes a step). With no way to the
+   goal left (a stuck box, a sealed lake) any action is optimal and the first action word is returned.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from webshop import WebShopEnv
+
+EVAL_SEEDS = list(range(123, 379))  # the paper's 256 fixed evaluation prompts (Section 3.3)
+TRAIN_SEED_LOW, TRAIN_SEED_HIGH = 1000, 2**31  # training seeds live here, far from EVAL_SEEDS
+
+
+def train_seeds(rng_or_seed, n: int) -> list[int]:
+    """n distinct training seeds from [1000, 2**31), never one of EVAL_SEEDS."""
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise ValueError(f"train_seeds: n must be an int >= 0, got {n!r}")
+    if isinstance(rng_or_seed, np.random.Generator):
+        rng = rng_or_seed
+    elif isinstance(rng_or_seed, (int, np.integer)) and not isinstance(rng_or_seed, bool) and rng_or_seed >= 0:
+        rng = np.random.default_rng(int(rng_or_seed))
+    else:
+        raise ValueError(f"train_seeds: rng_or_seed must be a numpy Generator or an int >= 0, got {rng_or_seed!r}")
+    seeds: list[int] = []
+    seen: set[int] = set()
+    while len(seeds) < n:
+        for s in rng.integers(TRAIN_SEED_LOW, TRAIN_SEED_HIGH, size=n - len(seeds)).tolist():
+            if s not in seen:
+                seen.add(s)
+                seeds.append(s)
+    return seeds
+
+
+def _check_seed(env_name: str, seed) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"{env_name}: reset(seed) needs an int >= 0, got {seed!r}")
+    return int(seed)
+
+
+def _noise(env_name: str, seed: int, sample) -> np.random.Generator:
+    """The dynamics' random stream of rollout `sample` of prompt `seed`."""
+    if isinstance(sample, bool) or not isinstance(sample, (int, np.integer)) or sample < 0:
+        raise ValueError(f"{env_name}: reset(seed, sample) needs sample as an int >= 0, got {sample!r}")
+    return np.random.default_rng([seed, int(sample)])
+
+
+def _take_options(env_name: str, defaults: dict, overrides: dict) -> dict:
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise ValueError(f"{env_name}: unknown override(s) {unknown}; allowed: {sorted(defaults)}")
+    return {**defaults, **overrides}
+
+
+def _int_option(env_name: str, key: str, value, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
+        raise ValueError(f"{env_name}: {key} must be an int in [{lo}, {hi}], got {value!r}")
+    return int(value)
+
+
+class _TextEnv:
+    """The shared guard logic: reset before use, parse action words, refuse to step a finished episode."""
+
+    name = ""
+    actions: list[str] = []
+
+    def __init__(self):
+        self.done = False
+        self._ready = False
+        self._lookup = {a.lower(): i for i, a in enumerate(self.actions)}
+
+    def _parse(self, action):
+        if not isinstance(action, str):
+            return None
+        return self._lookup.get(action.strip().lower())
+
+    def _require_live(self, what: str):
+        if not self._ready:
+            raise RuntimeError(f"{self.name}: call reset(seed) before {what}")
+        if self.done:
+            raise RuntimeError(f"{self.name}: the episode is over; call reset(seed) before {what}")
+
+    def render(self) -> str:
+        if not self._ready:
+            raise RuntimeError(f"{self.name}: call reset(seed) before render()")
+        return self._render()
+
+    def step(self, action):
+        self._require_live("step()")
+        i = self._parse(action)
+        if i is None:  # an unknown word changes nothing and earns nothing
+            info = {"success": self._success(), "action_is_valid": False, "action_is_effective": False}
+            return self._render(), 0.0, False, info
+        return self._apply(i)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bandit (Section 3.1; Appendix: safe arm 0.15, risky arm 1.0 w.p. 0.25)
+# ---------------------------------------------------------------------------------------------------
+
+class BanditEnv(_TextEnv):
+    name = "bandit"
+    DEFAULTS = {"safe_name": "Phoenix", "risky_name": "Dragon"}
+    SAFE_PAYOFF = 0.15
+    RISKY_PAYOFF, RISKY_PROB = 1.0, 0.25
+
+    def __init__(self, **overrides):
+        opts = _take_options(self.name, self.DEFAULTS, overrides)
+        for key in ("safe_name", "risky_name"):
+            v = opts[key]
+            if not (isinstance(v, str) and v.isascii() and v.isalpha() and len(v) <= 32):
+                raise ValueError(f"{self.name}: {key} must be one ASCII word of letters (e.g. 'Phoenix'), got {v!r}")
+        if opts["safe_name"].lower() == opts["risky_name"].lower():
+            raise ValueError(f"{self.name}: safe_name and risky_name must differ, got {opts['safe_name']!r} twice")
+        self.safe_name, self.risky_name = opts["safe_name"], opts["risky_name"]
+        self.actions = sorted([self.safe_name, self.risky_name], key=str.lower)
+        self.instruction = (
+            "You are playing a bandit game. There are two arms, each with its own reward distribution "
+            "related to its name. Pull one arm; the game ends after one pull.\n"
+            f"Actions: {', '.join(self.actions)}"
+        )
+        super().__init__()
+
+    def reset(self, seed: int, sample: int = 0) -> str:
+        seed = _check_seed(self.name, seed)
+        first, second = self.actions if np.random.default_rng(seed).random() < 0.5 else self.actions[::-1]
+        self._rng = _noise(self.name, seed, sample)  # the payoff's own stream (deviation 2)
+        self._obs = f"Arms: {first}, {second}"
+        self._pulled = None
+        self.done, self._ready = False, True
+        return self._obs
+
+    def _render(self) -> str:
+        return self._obs
+
+    def _success(self) -> bool:
+        return self._pulled == self.risky_name
+
+    def _apply(self, i: int):
+        arm = self.actions[i]
+        if arm == self.risky_name:
+            reward = self.RISKY_PAYOFF if self._rng.random() < self.RISKY_PROB else 0.0
+        else:
+            reward = self.SAFE_PAYOFF
+        self._pulled, self.done = arm, True
+        self._obs = f"{arm}: {reward:g} points"
+        info = {"success": self._success(), "action_is_valid": True, "action_is_effective": True}
+        return self._obs, reward, True, info
+
+    def expert_action(self) -> str:
+        self._require_live("expert_action()")
+        return self.risky_name  # higher mean (0.25 > 0.15) and the definition of success
+
+
+class BanditRevEnv(BanditEnv):
+    """Same names, roles swapped: tests whether a policy learnt the names or the payoffs (Table 3)."""
+    name = "bandit-rev"
+    DEFAULTS = {"safe_name": "Dragon", "risky_name": "Phoenix"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# Sokoban (Section 3.1): reverse-play generation as RAGEN / gym-sokoban, BFS expert
+# ---------------------------------------------------------------------------------------------------
+
+SOKOBAN_SYMBOLS = {  # order: wall, empty, target, box, box on target, player, player on target
+    "classic": ("#", "_", "O", "X", "√", "P", "S"),
+    "newvocab": ("W", ".", "G", "B", "C", "A", "@"),
+}
+_SOKOBAN_WORDS = ("wall", "empty", "target", "box", "box on target", "player", "player on target")
+_DIRS = ((-1, 0), (1, 0), (0, -1), (0, 1))  # Up, Down, Left, Right (gym-sokoban's order)
+_MASKS = (  # gym-sokoban's random-walk stamps: 1 = floor, centred on the walker
+    ((0, 0, 0), (1, 1, 1), (0, 0, 0)),
+    ((0, 1, 0), (0, 1, 0), (0, 1, 0)),
+    ((0, 0, 0), (1, 1, 0), (0, 1, 0)),
+    ((0, 0, 0), (1, 1, 0), (1, 1, 0)),
+    ((0, 0, 0), (0, 1, 1), (0, 1, 0)),
+)
+
+
+def _room_topology(rng: np.random.Generator, size: int) -> np.ndarray:
+    """Random-walk floor plan, [size, size] with 1 = floor; the border is always wall."""
+    level = np.zeros((size, size), dtype=np.int64)
+    direction = _DIRS[rng.integers(4)]
+    pos = [int(rng.integers(1, size)), int(rng.integers(1, size))]
+    for _ in range(int(1.7 * (size + size))):
+        if rng.random() < 0.35:
+            direction = _DIRS[rng.integers(4)]
+        pos = [min(max(pos[0] + direction[0], 1), size - 2), min(max(pos[1] + direction[1], 1), size - 2)]
+        level[pos[0] - 1:pos[0] + 2, pos[1] - 1:pos[1] + 2] += np.array(_MASKS[rng.integers(len(_MASKS))])
+    level = (level > 0).astype(np.int64)
+    level[[0, size - 1], :] = 0
+    level[:, [0, size - 1]] = 0
+    return level
+
+
+def _reverse_play(floor: list[bool], width: int, targets: list[int], player: int, search_depth: int):
+    """RAGEN's depth-first reverse play: the player walks and pulls the box behind it.
+
+    Returns (score, player, box positions, box displacement) of the best-scored state, where
+    score = box_swaps * displacement and states with a covered target score 0 (gym-sokoban).
+    Like RAGEN, a state is expanded only on its first visit and never below the depth limit.
+    """
+    offsets = [dr * width + dc for dr, dc in _DIRS]
+    explored: set = set()
+    best = [-1, player, tuple(targets), 0]
+
+    def displacement(pos):
+        return sum(abs(p // width - t // width) + abs(p % width - t % width) for p, t in zip(pos, targets))
+
+    def visit(p, pos, pulled, swaps, last, ttl):
+        ttl -= 1
+        if ttl <= 0 or len(explored) >= 300_000:
+            return
+        key = (p, tuple(sorted(zip(pos, pulled))))
+        if key in explored:
+            return
+        explored.add(key)
+        disp = displacement(pos)
+        uncovered = all(t != p and t not in pos for t in targets)
+        score = swaps * disp if uncovered else 0
+        if score > best[0]:
+            best[:] = [score, p, pos, disp]
+        for off in offsets:
+            q = p + off
+            if not floor[q] or q in pos:
+                continue  # RAGEN recurses into the unchanged state, which returns at once
+            behind = p - off
+            if behind in pos:
+                k = pos.index(behind)
+                pos2 = pos[:k] + (p,) + pos[k + 1:]
+                pulled2 = pulled[:k] + (True,) + pulled[k + 1:]
+                last2 = k
+            else:
+                pos2, pulled2, last2 = pos, pulled, last
+            visit(q, pos2, pulled2, swaps + (last2 != last), last2, ttl)
+
+    visit(player, tuple(targets), (False,) * len(targets), 0, -1, search_depth)
+    return best
+
+
+def _try_room(rng: np.random.Generator, size: int, num_boxes: int, search_depth: int):
+    """One gym-sokoban generate_room call: up to 4 topologies; None where gym-sokoban raises."""
+    for _ in range(4):
+        level = _room_topology(rng, size)
+        free = np.flatnonzero(level.ravel() == 1).tolist()
+        if len(free) <= num_boxes + 1:
+            return None  # "not enough free spots"
+        player = free[rng.integers(len(free))]
+        targets: list[int] = []
+        for _ in range(num_boxes):
+            spots = [c for c in free if c != player and c not in targets]
+            targets.append(spots[rng.integers(len(spots))])
+        floor = level.ravel().astype(bool).tolist()
+        _, player, boxes, disp = _reverse_play(floor, size, targets, player, search_depth)
+        if disp > 0:
+            return floor, targets, player, boxes, disp
+    return None  # "Generated Model with score == 0"
+
+
+def generate_sokoban_room(rng: np.random.Generator, size: int, num_boxes: int, search_depth: int):
+    """One solvable room: (floor [size*size] bools, targets, player, boxes) as flat cell indices."""
+    for _ in range(1000):  # RAGEN retries a failed room with a new seed; we continue the stream
+        room = _try_room(rng, size, num_boxes, search_depth)
+        if room is None:
+            continue
+        floor, targets, player, boxes, disp = room
+        # RAGEN: a few random player moves so that the player is not always next to a box.
+        if rng.random() <= (0.8 if disp == 1 else 0.5):
+            seen = [player]
+            for steps in range(1, 4):
+                options = [player + dr * size + dc for dr, dc in _DIRS]
+                options = [q for q in options if floor[q] and q not in boxes and q not in seen]
+                if not options:
+                    break
+                player = options[rng.integers(len(options))]
+                seen.append(player)
+                if steps >= 3 or rng.random() > 0.5:
+                    break
+        return floor, frozenset(targets), player, tuple(sorted(boxes))
+    raise RuntimeError(f"sokoban: no room after 1000 attempts (size={size}, num_boxes={num_boxes})")
+
+
+def sokoban_bfs(floor, width: int, targets, player: int, boxes: tuple) -> list[int] | None:
+    """Fewest-moves plan (action indices Up/Down/Left/Right) to put every box on a target, or None."""
+    if all(b in targets for b in boxes):
+        return []
+    offsets = [dr * width + dc for dr, dc in _DIRS]
+    start = (player, boxes)
+    parent = {start: None}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for state in frontier:
+            p, bx = state
+            for a, off in enumerate(offsets):
+                q = p + off
+                if not floor[q]:
+                    continue
+                if q in bx:
+                    b2 = q + off
+                    if not floor[b2] or b2 in bx:
+                        continue
+                    nb = tuple(sorted(b2 if b == q else b for b in bx))
+                else:
+                    nb = bx
+                child = (q, nb)
+                if child in parent:
+                    continue
+                parent[child] = (state, a)
+                if nb is not bx and all(b in targets for b in nb):
+                    plan = []
+                    while parent[child] is not None:
+                        child, a = parent[child]
+                        plan.append(a)
+                    return plan[::-1]
+                nxt.append(child)
+        frontier = nxt
+    return None
+
+
+class SokobanEnv(_TextEnv):
+    name = "sokoban"
+    actions = ["Up", "Down", "Left", "Right"]
+    DEFAULTS = {"size": 6, "num_boxes": 1, "search_depth": 300}
+    SYMBOLS = SOKOBAN_SYMBOLS["classic"]
+
+    def __init__(self, **overrides):
+        opts = _take_options(self.name, self.DEFAULTS, overrides)
+        # Bounds keep the expert's full BFS over (player, boxes) states fast in pure Python.
+        self.size = _int_option(self.name, "size", opts["size"], 5, 8)
+        self.num_boxes = _int_option(self.name, "num_boxes", opts["num_boxes"], 1, 2)
+        self.search_depth = _int_option(self.name, "search_depth", opts["search_depth"], 2, 300)
+        legend = ", ".join(f"{s} {w}" for s, w in zip(self.SYMBOLS, _SOKOBAN_WORDS))
+        self.instruction = (
+            "You are solving the Sokoban puzzle. You are the player and you need to push all boxes to "
+            "targets. When you are right next to a box, you can push it by moving in the same direction. "
+            "You cannot push a box through a wall, and you cannot pull a box.\n"
+            f"Symbols: {legend}\n"
+            f"Actions: {', '.join(self.actions)}"
+        )
+        self._offsets = None
+        super().__init__()
+
+    def reset(self, seed: int, sample: int = 0) -> str:  # deterministic dynamics: `sample` changes nothing
+        _noise(self.name, 0, sample)
+        rng = np.random.default_rng(_check_seed(self.name, seed))
+        self._floor, self._targets, self._player, self._boxes = generate_sokoban_room(
+            rng, self.size, self.num_boxes, self.search_depth)
+        self._offsets = [dr * self.size + dc for dr, dc in _DIRS]
+        self._plans: dict = {}  # (player, boxes) -> remaining optimal plan, filled by expert_action
+        self.done, self._ready = False, True
+        return self._render()
+
+    def _on_target(self) -> int:
+        return sum(b in self._targets for b in self._boxes)
+
+    def _success(self) -> bool:
+        return self._on_target() == len(self._boxes)
+
+    def _move(self, player: int, boxes: tuple, a: int):
+        """(player, boxes) after action a; a blocked move returns the same state."""
+        off = self._offsets[a]
+        q = player + off
+        if not self._floor[q]:
+            return player, boxes
+        if q in boxes:
+            b2 = q + off
+            if not self._floor[b2] or b2 in boxes:
+                return player, boxes
+            boxes = tuple(sorted(b2 if b == q else b for b in boxes))
+        return q, boxes
+
+    def _apply(self, a: int):
+        before = self._on_target()
+        moved_from = self._player
+        self._player, self._boxes = self._move(self._player, self._boxes, a)
+        after = self._on_target()
+        reward = -0.1 + (1.0 if after > before else -1.0 if after < before else 0.0)
+        success = after == len(self._boxes)
+        if success:
+            reward += 10.0
+        self.done = success
+        info = {"success": success, "action_is_valid": True, "action_is_effective": self._player != moved_from}
+        return self._render(), reward, success, info
+
+    def _render(self) -> str:
+        wall, empty, target, box, box_t, player, player_t = self.SYMBOLS
+        rows = []
+        for r in range(self.size):
+            row = []
+            for c in range(r * self.size, (r + 1) * self.size):
+                on_t = c in self._targets
+                if not self._floor[c]:
+                    row.append(wall)
+                elif c == self._player:
+                    row.append(player_t if on_t else player)
+                elif c in self._boxes:
+                    row.append(box_t if on_t else box)
+                else:
+                    row.append(target if on_t else empty)
+            rows.append("".join(row))
+        return "\n".join(rows)
+
+    def expert_action(self) -> str:
+        self._require_live("expert_action()")
+        state = (self._player, self._boxes)
+        if state not in self._plans:
+            plan = sokoban_bfs(self._floor, self.size, self._targets, *state)
+            if plan is None:
+                self._plans[state] = None
+            else:  # every state along an optimal plan gets the rest of that plan
+                s = state
+                for i, a in enumerate(plan):
+                    self._plans.setdefault(s, plan[i:])
+                    s = self._move(*s, a)
+        plan = self._plans[state]
+        return self.actions[plan[0]] if plan else self.actions[0]
+
+
+class SokobanNewVocabEnv(SokobanEnv):
+    name = "sokoban-newvocab"
+    DEFAULTS = {"size": 6, "num_boxes": 1, "search_depth": 30}  # RAGEN SokobanDifferentGridVocab
+    SYMBOLS = SOKOBAN_SYMBOLS["newvocab"]
+
+
+class LargeSokobanEnv(SokobanEnv):
+    name = "sokoban-large"
+    DEFAULTS = {"size": 8, "num_boxes": 2, "search_depth": 10}  # RAGEN LargerSokoban
+
+
+# ---------------------------------------------------------------------------------------------------
+# FrozenLake (Section 3.1): RAGEN's random maps, gymnasium's slip model, value-iteration expert
+# ---------------------------------------------------------------------------------------------------
+
+_LAKE_DIRS = ((0, -1), (1, 0), (0, 1), (-1, 0))  # Left, Down, Right, Up (gymnasium's order)
+
+
+def _lake_reachable(board: np.ndarray, start: tuple, goal: tuple) -> bool:
+    n = board.shape[0]
+    stack, seen = [start], {start}
+    while stack:
+        r, c = stack.pop()
+        if (r, c) == goal:
+            return True
+        for dr, dc in _LAKE_DIRS:
+            q = (r + dr, c + dc)
+            if 0 <= q[0] < n and 0 <= q[1] < n and q not in seen and board[q] != "H":
+                seen.add(q)
+                stack.append(q)
+    return False
+
+
+def generate_lake(rng: np.random.Generator, size: int, p: float):
+    """[size, size] array of 'F'/'H'/'G' plus the start cell (drawn like RAGEN's generate_random_map)."""
+    while True:
+        board = rng.choice(np.array(["F", "H"]), (size, size), p=[p, 1 - p])
+        start = tuple(int(x) for x in rng.integers(size, size=2))
+        goal = tuple(int(x) for x in rng.integers(size, size=2))
+        if start != goal:
+            board[start], board[goal] = "F", "G"
+            if _lake_reachable(board, start, goal):
+                return board, start
+
+
+def _lake_next(n: int, cell: tuple, d: int) -> tuple:
+    r, c = cell[0] + _LAKE_DIRS[d][0], cell[1] + _LAKE_DIRS[d][1]
+    return (r, c) if 0 <= r < n and 0 <= c < n else cell
+
+
+def lake_policy(board: np.ndarray, slippery: bool) -> np.ndarray:
+    """Greedy action per cell [n*n]: maximise P(reach goal), then the 0.9-discounted success value."""
+    n = board.shape[0]
+    S = n * n
+    P = np.zeros((S, 4, S))  # [S, 4, S] transition probabilities; terminal rows stay zero
+    for s in range(S):
+        if board[divmod(s, n)] in ("H", "G"):
+            continue
+        for a in range(4):
+            for d in ((a - 1) % 4, a, (a + 1) % 4) if slippery else (a,):
+                r, c = _lake_next(n, divmod(s, n), d)
+                P[s, a, r * n + c] += 1.0 / 3.0 if slippery else 1.0
+    terminal = np.isin(board.ravel(), ["H", "G"])
+    goal = (board.ravel() == "G").astype(float)
+    V = goal.copy()
+    for _ in range(100_000):  # undiscounted: converges to the maximal reach probability
+        V_new = np.where(terminal, goal, (P @ V).max(axis=1))
+        if np.abs(V_new - V).max() < 1e-13:
+            break
+        V = V_new
+    keep = P @ V >= V[:, None] - 1e-9  # [S, 4] actions that keep the best success probability
+    U = goal.copy()
+    for _ in range(10_000):
+        Q = np.where(keep, 0.9 * (P @ U), -1.0)
+        U_new = np.where(terminal, goal, Q.max(axis=1))
+        if np.abs(U_new - U).max() < 1e-13:
+            break
+        U = U_new
+    return np.where(keep, 0.9 * (P @ U), -1.0).argmax(axis=1)
+
+
+class FrozenLakeEnv(_TextEnv):
+    name = "frozenlake"
+    actions = ["Left", "Down", "Right", "Up"]
+    DEFAULTS = {"size": 4, "p": 0.8, "slippery": True}
+
+    def __init__(self, **overrides):
+        opts = _take_options(self.name, self.DEFAULTS, overrides)
+        self.size = _int_option(self.name, "size", opts["size"], 2, 8)
+        p = opts["p"]
+        if isinstance(p, bool) or not isinstance(p, (int, float, np.floating)) or not 0.5 <= p <= 1.0:
+            raise ValueError(f"{self.name}: p (probability a tile is frozen) must be a number in [0.5, 1], got {p!r}")
+        self.p = float(p)
+        if not isinstance(opts["slippery"], (bool, np.bool_)):
+            raise ValueError(f"{self.name}: slippery must be True or False, got {opts['slippery']!r}")
+        self.slippery = bool(opts["slippery"])
+        slip = (" The ice is slippery: you may move in an unintended direction." if self.slippery else "")
+        self.instruction = (
+            f"You are solving the FrozenLake puzzle. Avoid the holes and go to the goal.{slip}\n"
+            "Symbols: P player, _ frozen, O hole, G goal, X player in hole, √ player on goal\n"
+            f"Actions: {', '.join(self.actions)}"
+        )
+        super().__init__()
+
+    def reset(self, seed: int, sample: int = 0) -> str:
+        seed = _check_seed(self.name, seed)
+        self._board, self._pos = generate_lake(np.random.default_rng(seed), self.size, self.p)
+        self._rng = _noise(self.name, seed, sample)  # slips: their own stream (deviation 2)
+        self._policy = None  # computed by the first expert_action() of this episode
+        self.done, self._ready = False, True
+        return self._render()
+
+    def _success(self) -> bool:
+        return self._board[self._pos] == "G"
+
+    def _apply(self, a: int):
+        d = (a + int(self._rng.integers(3)) - 1) % 4 if self.slippery else a
+        before = self._pos
+        self._pos = _lake_next(self.size, self._pos, d)
+        tile = self._board[self._pos]
+        self.done = tile in ("H", "G")
+        reward = 1.0 if tile == "G" else 0.0
+        info = {"success": tile == "G", "action_is_valid": True, "action_is_effective": self._pos != before}
+        return self._render(), reward, self.done, info
+
+    def _render(self) -> str:
+        tiles = {"F": "_", "H": "O", "G": "G"}
+        rows = []
+        for r in range(self.size):
+            row = []
+            for c in range(self.size):
+                t = self._board[r, c]
+                row.append(({"H": "X", "G": "√"}.get(t, "P")) if (r, c) == self._pos else tiles[t])
+            rows.append("".join(row))
+        return "\n".join(rows)
+
+    def expert_action(self) -> str:
+        self._require_live("expert_action()")
+        if self._policy is None:
+            self._policy = lake_policy(self._board, self.slippery)
+        return self.actions[int(self._policy[self._pos[0] * self.size + self._pos[1]])]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------------
+
+ENVS = {
+    "bandit": BanditEnv,
+    "bandit-rev": BanditRevEnv,
+    "sokoban": SokobanEnv,
+    "sokoban-newvocab": SokobanNewVocabEnv,
+    "sokoban-large": LargeSokobanEnv,
+    "frozenlake": FrozenLakeEnv,
+    "webshop": WebShopEnv,  # its own file: catalogue, BM25 search, data loader and reward
+}
+
+
+def make_env(name: str, **overrides):
+    """A fresh environment by name; overrides change its options (ValueError names what is allowed)."""
+    if not isinstance(name, str) or name not in ENVS:
+        raise ValueError(f"unknown env {name!r}; allowed: {sorted(ENVS)}")
+    return ENVS[name](**overrides)

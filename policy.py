@@ -1,0 +1,279 @@
+"""The policy and the critic: loading any Hugging Face causal LM, or building the embedded tiny one offline.
+
+This is its own file (not in rollout.py or train.py) because four entry points share it (train, eval, SFT,
+bench) and because the tiny policy is a small concept of its own: a real Qwen2-architecture `transformers`
+model with a word-level tokenizer built from the environments' texts, warmed up on random-action
+trajectories so that, like the paper's instruct model (Qwen2.5-0.5B-Instruct, section 3.2), it starts out
+knowing the answer format but not the task.
+
+Device, dtype and threads are decided here and nowhere else: CUDA if present else CPU (`--device` overrides),
+fp32 master weights, bf16 autocast on CUDA only.
+
+Deviations from the paper / RAGEN (deliberate):
+1. `--model tiny` (default) is ~1M parameters and its vocabulary is the environments' own words: the paper's
+   0.5B model cannot be downloaded or trained in minutes on a 2-core CPU. The Qwen path is one flag away.
+2. The tiny policy's "instruction tuning" is a language-model warm-up on the replies of uniformly random
+   agents, rendered exactly as rollout.py renders them (both think modes, full and 1-turn history windows).
+3. The critic is a separate copy of the policy backbone with a scalar head (as RAGEN/verl), but its head is
+   initialised to zero so that the first value estimates are 0 rather than noise.
+4. On CPU the default is 1 intra-op thread: measured on these 2-core machines, small-model forward+backward
+   with 2 threads was erratic and up to 10x slower (bench.py prints the current figure).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+TINY_VERSION = 1  # bump to force a rebuild of cached tiny policies after a change of the warm-up itself
+TINY_MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0,
+                  tie_word_embeddings=True)
+TINY_WARMUP = dict(episodes_per_env=240, steps=100, batch=32, batch_tokens=6144, lr=3e-3, seed=0)
+SPECIAL = dict(pad="<|endoftext|>", bos="<|im_start|>", eos="<|im_end|>", unk="<unk>")
+TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
+# Word-level pieces: a capitalised or lower-case word, one capital letter (grid symbols), one digit, any other
+# single character, each optionally with its leading space; "\n" is kept (grid rows must not merge).
+PIECE = r" ?[A-Z][a-z]+| ?[a-z]+| ?[A-Z]| ?\d| ?[^\sA-Za-z\d]|\n| "
+GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+# ----------------------------------------------------------------------------- device, dtype, threads
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ValueError(f"--device {name!r}: allowed are auto, cpu, cuda, cuda:N")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name!r}: CUDA is not available on this machine (allowed: auto, cpu)")
+    return torch.device(name)
+
+
+def autocast_dtype(device: torch.device):
+    """bf16 autocast on CUDA only; CPU runs in fp32."""
+    return torch.bfloat16 if device.type == "cuda" else None
+
+
+def set_cpu_threads(device: torch.device, threads: int = 1) -> None:
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+
+
+def _from_pretrained(cls, path, **kw):
+    """fp32 weights on transformers 4.x (`torch_dtype`) and 5.x (`dtype`, whose default is the checkpoint's)."""
+    import transformers
+    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    return cls.from_pretrained(path, **{key: torch.float32}, **kw)
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_policy(name: str = "tiny", device: torch.device | str = "cpu", cache_dir: str | None = None,
+                progress: bool = True):
+    """-> (model, tokenizer, path). `name`: "tiny", a hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or a folder."""
+    from transformers import AutoModelForCausalLM
+    path = ensure_tiny(cache_dir, progress=progress) if name == "tiny" else name
+    try:
+        tok = tokenizer_class(path).from_pretrained(path)
+        model = _from_pretrained(AutoModelForCausalLM, path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {name!r}: cannot load it ({str(e).splitlines()[0]}); allowed: tiny, a local "
+                         f"folder saved with save_pretrained, or a hub id reachable from this machine") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        raise ValueError(f"--model {name!r}: its tokenizer has no chat template (use an instruct model)")
+    return model.to(device), tok, str(path)
+
+
+def tokenizer_class(path):
+    """AutoTokenizer, except for a folder that declares a generic fast tokenizer (the tiny policy's).
+
+    transformers 5 maps model_type "qwen2" to Qwen2Tokenizer and rebuilds a byte-level BPE from the vocabulary,
+    ignoring the saved word-level tokenizer.json; PreTrainedTokenizerFast loads that file as it is (4.x and 5.x).
+    """
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    cfg = Path(path) / "tokenizer_config.json"
+    if cfg.exists() and json.loads(cfg.read_text()).get("tokenizer_class") in GENERIC_TOKENIZERS:
+        return PreTrainedTokenizerFast
+    return AutoTokenizer
+
+
+class Critic(nn.Module):
+    """PPO's value model: the policy's backbone (a separate copy) + a scalar head.
+
+    values[:, t] is the value of the state just before token t is sampled (read from the hidden state at t-1),
+    aligned with the log-prob convention of starpo.token_logprobs.
+    """
+
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(backbone.config.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+        v = self.value_head(h).squeeze(-1).float()                                               # [B, T]
+        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+
+    def save_pretrained(self, path: str) -> None:
+        self.backbone.save_pretrained(path)
+        torch.save(self.value_head.state_dict(), Path(path) / "value_head.pt")
+
+
+def load_critic(path: str, device: torch.device | str = "cpu") -> Critic:
+    """The same loader as the policy: a causal-LM checkpoint gives the backbone (its LM head is dropped)."""
+    from transformers import AutoModel
+    critic = Critic(_from_pretrained(AutoModel, path))
+    head = Path(path) / "value_head.pt"
+    if head.exists():
+        critic.value_head.load_state_dict(torch.load(head, map_location="cpu"))
+    return critic.to(device)
+
+
+# ----------------------------------------------------------------------------- the tiny policy
+
+def tiny_envs() -> list[str]:
+    from envs import ENVS
+    return sorted(ENVS)
+
+
+def tiny_corpus(envs: list[str], episodes: int, seed: int):
+    """Random-agent conversations (text only) for every env, think mode and history window."""
+    from rollout import RolloutConfig, rollout, random_agent
+    rng = random.Random(seed)
+    for env in envs:
+        for think in (True, False):
+            cfg = RolloutConfig(think=think)
+            seeds = [rng.randrange(1000, 2**31) for _ in range(episodes // 2)]
+            trajs = rollout(env, seeds, list(range(len(seeds))), cfg, agent=random_agent(rng),
+                            samples=[rng.randrange(16) for _ in seeds])
+            yield env, think, seeds, trajs
+
+
+def build_tokenizer(texts: list[str]):
+    """A word-level `transformers` tokenizer whose vocabulary is every piece of `texts`; decoding is exact."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tags = re.compile("|".join(re.escape(t) for t in TAGS))
+    pieces = sorted({p for t in texts for part in tags.split(t) for p in re.findall(PIECE, part)} | {" ", "\n"})
+    vocab = {tok: i for i, tok in enumerate([SPECIAL["unk"], SPECIAL["pad"], SPECIAL["bos"], SPECIAL["eos"]]
+                                            + TAGS + pieces)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL["unk"]))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE), behavior="isolated")
+    core.decoder = decoders.Fuse()  # pieces carry their own spaces: concatenation restores the text exactly
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token=SPECIAL["unk"], pad_token=SPECIAL["pad"],
+                                  bos_token=SPECIAL["bos"], eos_token=SPECIAL["eos"],
+                                  clean_up_tokenization_spaces=False)
+    tok.add_tokens(TAGS)  # already in the vocabulary: this makes them match whole before pre-tokenisation
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def ensure_tiny(cache_dir: str | None = None, progress: bool = True, warmup: dict | None = None,
+                model_cfg: dict | None = None, envs: list[str] | None = None) -> str:
+    """Path of the cached tiny policy, building it first if its vocabulary or config changed."""
+    warmup = {**TINY_WARMUP, **(warmup or {})}
+    model_cfg = {**TINY_MODEL, **(model_cfg or {})}
+    envs = envs or tiny_envs()
+    texts, data = [], []
+    for env, think, seeds, trajs in tiny_corpus(envs, warmup["episodes_per_env"], warmup["seed"]):
+        data.append((env, think, seeds))
+        for t in trajs:
+            texts += [m["content"] for m in t.messages]
+    tok_texts = texts + [f"{m}\n" for m in ("system", "user", "assistant")] + [" ".join(TAGS)]
+    key = hashlib.sha256(json.dumps([TINY_VERSION, model_cfg, warmup, envs, sorted(set(tok_texts))],
+                                    sort_keys=True).encode()).hexdigest()[:12]
+    root = Path(cache_dir or os.environ.get("RAGEN_MINI_CACHE", Path.home() / ".cache" / "ragen-mini"))
+    path = root / f"tiny-{key}"
+    if (path / "config.json").exists():
+        return str(path)
+    tok = build_tokenizer(tok_texts)
+    model = warm_up(tok, data, model_cfg, warmup, progress)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    try:
+        os.replace(tmp, path)  # atomic: a concurrent or interrupted build never leaves a half-written cache
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # another process won the race; its copy is identical
+    return str(path)
+
+
+def warm_up(tok, data, model_cfg: dict, warmup: dict, progress: bool):
+    """Language-model warm-up on the sampled (mask = 1) tokens of random-agent trajectories."""
+    from tqdm import tqdm
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from rollout import RolloutConfig, rollout, random_agent
+    torch.manual_seed(warmup["seed"])
+    cfg = Qwen2Config(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, **model_cfg)
+    model = Qwen2ForCausalLM(cfg)
+    rng = random.Random(warmup["seed"] + 1)
+    pools: dict[str, list] = {}  # env -> its segments, sorted by length
+    for env, think, seeds in data:
+        for ctx in (0, 1):  # full conversations (3/4 of the seeds) and a 1-turn window (1/4)
+            part = [s for j, s in enumerate(seeds) if (j % 4 == 3) == (ctx == 1)]
+            trajs = rollout(env, part, list(range(len(part))), RolloutConfig(think=think, context_turns=ctx),
+                            tokenizer=tok, agent=random_agent(rng), samples=[rng.randrange(16) for _ in part])
+            pools.setdefault(env, []).extend(s for t in trajs for s in t.segments)
+    for segs in pools.values():
+        segs.sort(key=lambda s: len(s.input_ids))
+    names = sorted(pools)
+    opt = torch.optim.AdamW(model.parameters(), lr=warmup["lr"], weight_decay=0.01)
+    steps = warmup["steps"]
+    sched = torch.optim.lr_scheduler.LambdaLR(  # 10 warm-up steps, then cosine down to 10% of the peak
+        opt, lambda s: min(1.0, (s + 1) / 10) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps))))
+    model.train()
+    t0 = time.time()
+    bar = tqdm(range(steps), desc="tiny policy warm-up", disable=not progress)
+    for step in bar:
+        # every env equally often (a one-turn bandit episode must not drown under long Sokoban ones), and
+        # a batch of length-neighbours within it (little padding)
+        segs = pools[names[step % len(names)]]
+        start = rng.randrange(len(segs))
+        n = max(1, min(warmup["batch"], warmup["batch_tokens"] // len(segs[start].input_ids)))
+        batch = segs[max(0, start - n + 1):start + 1]   # n length-neighbours, the longest at `start`
+        ids, attn, mask = pad_segments(batch, tok.pad_token_id)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()   # [B, T-1, V]
+        nll = nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        loss = (nll * mask[:, 1:]).sum() / mask[:, 1:].sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 10 == 0 or step == steps - 1:
+            bar.set_postfix(loss=f"{loss.item():.3f}", s=f"{time.time() - t0:.0f}")
+    model.eval()
+    return model
+
+
+def pad_segments(segs, pad_id: int):
+    """Right-pad segments -> input_ids [B, T], attention_mask [B, T], loss_mask [B, T] (float)."""
+    T = max(len(s.input_ids) for s in segs)
+    ids = torch.full((len(segs), T), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(segs), T), dtype=torch.long)
+    mask = torch.zeros((len(segs), T))
+    for i, s in enumerate(segs):
+        n = len(s.input_ids)
+        ids[i, :n] = torch.tensor(s.input_ids)
+        attn[i, :n] = 1
+        mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float)
+    return ids, attn, mask

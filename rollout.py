@@ -1,0 +1,418 @@
+"""Multi-turn rollouts: the trajectory that StarPO optimises (paper section 2.1-2.2, Figure 2).
+
+One trajectory = system message + environment instruction, then up to `max_turns` turns of
+(state -> <think>..</think><answer>..</answer> -> reward feedback). Every turn of every live episode is decoded
+in ONE batch with a KV cache; the trajectory records the exact token ids that were sampled (never re-tokenised)
+and a loss mask that is 1 exactly on sampled tokens (section 2.2: only the agent's own tokens are optimised).
+
+Prompt layout (after RAGEN's ctx_manager), built with the tokenizer's own chat template:
+    system:    "You're a helpful assistant."
+    user:      <env instruction> / "Available actions: ..." / the per-turn and per-episode action budgets and
+               the separator "||" / "Turn 1:" / "State:" + observation / "You have k actions left." / format
+    assistant: "<think>" (pre-filled by the template side, mask 0) + sampled reply (mask 1)
+    user:      "Reward: r" (+ why the turn was penalised) / "Turn 2:" / ...
+
+History window (`context_turns`): 0 = the paper (the whole conversation is one growing sequence, one training
+segment per trajectory). K > 0 = RAGEN's later `context_window_mode`: every turn's prompt keeps the system
+message, the instruction and only the last K turns; each turn then becomes its own training segment (that
+prompt + that turn's reply). Every segment carries the trajectory's group id and total reward, so GRPO gives
+each segment its trajectory's advantage, and PPO places the trajectory reward on the last sampled token of
+every segment: with gamma = lambda = 1 the GAE advantage of every token is R - V(token) in both layouts, so the
+window changes what the model sees, not what it is credited with.
+
+Deviations from the paper / RAGEN (deliberate):
+1. The assistant turn is pre-filled with the opening tag ("<think>", or "<answer>" with --no-think), as RAGEN's
+   later versions do; the tag is a template token (mask 0). This removes format slips of small models.
+2. Generation stops at the text "</answer>" (or EOS, or max_new_tokens); the template's end-of-turn marker
+   is appended as a template token (mask 0) unless the policy itself sampled EOS.
+3. A reply that parses but names an invalid action gets the format penalty once per turn and its valid actions
+   still run (the issue's rule); RAGEN stops at the first invalid action.
+4. Decoding is our own loop over `model.base_model` + the LM head (not `generate()`), so it works the same on
+   transformers 4.x and 5.x, computes logits for the last position only (a [B, T, V] prefill tensor would be
+   ~46 GB for Qwen at 128 x 600 tokens), and drops finished rows from the batch and KV cache.
+"""
+from __future__ import annotations
+
+import copy
+import random
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from envs import make_env
+
+SYSTEM_PROMPT = "You're a helpful assistant."
+ANSWER_RE = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
+ANSWER_ONLY_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+STOP_TEXT = "</answer>"
+
+
+@dataclass
+class RolloutConfig:
+    max_turns: int = 5
+    max_actions_per_turn: int = 5
+    max_actions: int = 10
+    format_penalty: float = -0.1
+    think: bool = True
+    context_turns: int = 0
+    max_new_tokens: int = 100
+    temperature: float = 1.0  # 0 = greedy
+
+
+@dataclass
+class Turn:
+    obs: str                 # the state shown at this turn
+    reply: str               # the full assistant reply (pre-filled tag + sampled text)
+    actions: list[str]       # parsed actions that were attempted
+    parsed: bool             # the reply matched the answer format (well-formed)
+    format_ok: bool          # well-formed, and every attempted action valid (else the format penalty)
+    env_reward: float
+    reward: float            # env reward + format penalty
+    valid: int
+    effective: int
+    response_tokens: int     # tokens the policy sampled this turn
+    success: bool = False    # the environment reported success during this turn
+
+
+@dataclass
+class Segment:               # one training sequence
+    input_ids: list[int]
+    loss_mask: list[int]     # 1 exactly where the policy sampled the token
+
+
+@dataclass
+class Trajectory:
+    env: str
+    seed: int
+    group_id: int
+    turns: list[Turn] = field(default_factory=list)
+    segments: list[Segment] = field(default_factory=list)
+    success: bool = False
+    done: bool = False       # the environment ended the episode (vs. a budget)
+    messages: list[dict] = field(default_factory=list)  # the full conversation as text, for dumps
+
+    @property
+    def reward(self) -> float:     # env rewards + format penalties (what StarPO maximises)
+        return sum(t.reward for t in self.turns)
+
+    @property
+    def num_actions(self) -> int:
+        return sum(len(t.actions) for t in self.turns)
+
+    @property
+    def valid_actions(self) -> int:
+        return sum(t.valid for t in self.turns)
+
+    @property
+    def effective_actions(self) -> int:
+        return sum(t.effective for t in self.turns)
+
+    @property
+    def response_length(self) -> float:
+        return sum(t.response_tokens for t in self.turns) / max(1, len(self.turns))
+
+
+# ----------------------------------------------------------------------------- text of the conversation
+
+def format_prompt(think: bool) -> str:
+    if think:
+        return "<think> [your thoughts] </think> <answer> [your answer] </answer>"
+    return "<answer> [your answer] </answer>"
+
+
+def header_text(env, cfg: RolloutConfig) -> str:
+    """Shown once at the top: rules, action list, budgets, separator (RAGEN's env instruction)."""
+    return (f"{env.instruction}\n"   # the instruction already lists the actions
+            f"You can take up to {cfg.max_actions_per_turn} actions per turn, separated by ||, "
+            f"and {cfg.max_actions} actions in total.\n")
+
+
+def turn_text(k: int, obs: str, actions_left: int, cfg: RolloutConfig) -> str:
+    return (f"Turn {k}:\nState:\n{obs}\nYou have {actions_left} actions left. "
+            f"Always output: {format_prompt(cfg.think)} with no extra text.\n")
+
+
+def feedback_text(turn: Turn) -> str:
+    note = "" if turn.format_ok else "Invalid format or action.\n"
+    return f"Reward: {round(turn.reward, 2):g}\n{note}"
+
+
+def prefill(cfg: RolloutConfig) -> str:
+    return "<think>" if cfg.think else "<answer>"
+
+
+def parse_reply(text: str, think: bool, max_actions: int) -> tuple[list[str], bool]:
+    """-> (actions, parsed). The answer is split on '||', empty pieces dropped, first `max_actions` kept."""
+    m = (ANSWER_RE if think else ANSWER_ONLY_RE).search(text)
+    if m is None:
+        return [], False
+    answer = m.group(m.lastindex)
+    actions = [a.strip() for a in answer.split("||") if a.strip()]
+    return actions[:max_actions], True
+
+
+# ----------------------------------------------------------------------------- token bookkeeping
+
+def render_ids(tokenizer, messages: list[dict], cfg: RolloutConfig) -> list[int]:
+    """Chat-template a conversation and open the next assistant turn with the pre-filled tag."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefill(cfg)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def turn_close(tokenizer) -> str:
+    """The template text that closes an assistant turn (Qwen: "<|im_end|>\n").
+
+    Found by rendering a placeholder conversation, so any chat template (Qwen's, the tiny one) works.
+    """
+    mark = "\x00REPLY\x00"
+    base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    open_ = tokenizer.apply_chat_template(base, tokenize=False, add_generation_prompt=True)
+    closed = tokenizer.apply_chat_template(base + [{"role": "assistant", "content": mark}], tokenize=False)
+    if not closed.startswith(open_) or mark not in closed:
+        raise ValueError("chat template does not render an assistant turn as a suffix of its generation prompt")
+    return closed[closed.index(mark) + len(mark):]
+
+
+# ----------------------------------------------------------------------------- batched sampling
+
+@torch.no_grad()
+def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+             generator: torch.Generator | None) -> list[list[int]]:
+    """Sample one reply per prompt, all rows in one batch with a KV cache; -> sampled ids per row.
+
+    Left padding with explicit position ids (a row's first real token is position 0). Rows that emitted EOS or
+    whose text ends with "</answer>" leave the batch (and the KV cache).
+    """
+    device = next(model.parameters()).device
+    B = len(prompts)
+    L = max(len(p) for p in prompts)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    ids = torch.full((B, L), pad, dtype=torch.long)                     # [B, T]
+    attn = torch.zeros((B, L), dtype=torch.long)                        # [B, T]
+    for i, p in enumerate(prompts):
+        ids[i, L - len(p):] = torch.tensor(p)
+        attn[i, L - len(p):] = 1
+    ids, attn = ids.to(device), attn.to(device)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    head = model.get_output_embeddings()
+    eos = tokenizer.eos_token_id
+    out_ids: list[list[int]] = [[] for _ in range(B)]
+    rows = torch.arange(B)                                              # which original rows are still live
+    out = model.base_model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+    past = out.past_key_values
+    hidden = out.last_hidden_state[:, -1]                               # [B, H]
+    for _ in range(max_new_tokens):
+        logits = head(hidden).float()                                   # [B, V]
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator)      # [B, 1]
+        else:
+            nxt = logits.argmax(-1, keepdim=True)
+        keep = []
+        for j, (r, t) in enumerate(zip(rows.tolist(), nxt[:, 0].tolist())):  # one host sync per token step
+            out_ids[r].append(t)
+            tail = tokenizer.decode(out_ids[r][-8:], skip_special_tokens=False)
+            if t != eos and not tail.endswith(STOP_TEXT):
+                keep.append(j)
+        if not keep:
+            break
+        if len(keep) < len(rows):
+            k = torch.tensor(keep, device=device)
+            if hasattr(past, "batch_select_indices"):
+                past.batch_select_indices(k)
+            else:  # legacy tuple cache
+                past = tuple(tuple(x[k] for x in layer) for layer in past)
+            rows, nxt, attn = rows[torch.tensor(keep)], nxt[k], attn[k]
+        attn = torch.cat([attn, attn.new_ones(len(rows), 1)], dim=1)
+        pos = attn.sum(-1, keepdim=True) - 1
+        out = model.base_model(input_ids=nxt, attention_mask=attn, position_ids=pos, past_key_values=past,
+                               use_cache=True)
+        past = out.past_key_values
+        hidden = out.last_hidden_state[:, -1]
+    return out_ids
+
+
+# ----------------------------------------------------------------------------- scripted agents
+
+def scripted_reply(actions: list[str], thought: str, cfg: RolloutConfig) -> str:
+    """The reply text a scripted agent sends, without the pre-filled opening tag."""
+    answer = f"<answer> {' || '.join(actions)} </answer>"   # spaced as RAGEN's format prompt
+    if cfg.think:
+        return f" {thought} </think> {answer}"
+    return answer[len("<answer>"):]
+
+
+def available_actions(env) -> list[str]:
+    fn = getattr(env, "available_actions", None)
+    return fn() if callable(fn) else list(env.actions)
+
+
+def random_agent(rng: random.Random):
+    """Uniformly random valid actions, 1..min(max per turn, actions left) of them; a truthful fixed thought."""
+    def act(env, actions_left: int, cfg: RolloutConfig) -> tuple[list[str], str]:
+        k = rng.randint(1, max(1, min(cfg.max_actions_per_turn, actions_left)))
+        return [rng.choice(available_actions(env)) for _ in range(k)], "I pick my moves at random."
+    return act
+
+
+def expert_agent(actions_per_turn: int = 1):
+    """The env's optimal policy; several actions per turn are planned on a copy of the env.
+
+    Its thought names the plan (truthful: it is what the expert will do)."""
+    def act(env, actions_left: int, cfg: RolloutConfig) -> tuple[list[str], str]:
+        k = max(1, min(actions_per_turn, cfg.max_actions_per_turn, actions_left))
+        sim, plan = copy.deepcopy(env), []
+        for _ in range(k):
+            a = sim.expert_action()
+            plan.append(a)
+            _, _, done, _ = sim.step(a)
+            if done:
+                break
+        return plan, "The best plan is " + ", ".join(plan) + "."
+    return act
+
+
+# ----------------------------------------------------------------------------- the episode loop
+
+def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutConfig, tokenizer=None,
+            model=None, agent=None, generator: torch.Generator | None = None, samples: list[int] | None = None,
+            env_overrides: dict | None = None) -> list[Trajectory]:
+    """Run len(seeds) episodes in lock-step; each turn, all live episodes reply in one batch.
+
+    Replies come from `model` (sampled) or from `agent(env, actions_left, cfg) -> (actions, thought)`
+    (scripted: random, expert). `tokenizer=None` records text only (used to collect the tiny tokenizer's vocabulary).
+    `samples[i]` numbers episode i among the rollouts of its prompt: the env draws its dynamics' noise
+    (payoffs, slips) from (seed, sample), so a group shares its start but not its luck (envs.py).
+    """
+    if (model is None) == (agent is None):
+        raise ValueError("rollout needs exactly one of model= or agent=")
+    envs = [make_env(env_name, **(env_overrides or {})) for _ in seeds]
+    trajs = [Trajectory(env=env_name, seed=s, group_id=g) for s, g in zip(seeds, group_ids)]
+    samples = samples if samples is not None else [0] * len(seeds)
+    obs = [e.reset(s, sample=k) for e, s, k in zip(envs, seeds, samples)]
+    left = [cfg.max_actions] * len(envs)
+    live = list(range(len(envs)))
+    hdr = [header_text(e, cfg) for e in envs]
+    user_msgs: list[list[str]] = [[] for _ in envs]   # user message of each turn (feedback + turn text)
+    replies: list[list[str]] = [[] for _ in envs]
+    running: list[Segment | None] = [None] * len(envs)  # the growing sequence when context_turns == 0
+    close = turn_close(tokenizer) if tokenizer is not None else None
+    for k in range(1, cfg.max_turns + 1):
+        if not live:
+            break
+        prompts = []
+        for i in live:
+            user_msgs[i].append(("" if k == 1 else feedback_text(trajs[i].turns[-1])) +
+                                turn_text(k, obs[i], left[i], cfg))
+            msgs = window_messages(hdr[i], user_msgs[i], replies[i], cfg.context_turns)
+            trajs[i].messages = full_messages(hdr[i], user_msgs[i], replies[i])
+            if tokenizer is None:
+                continue
+            if cfg.context_turns == 0 and running[i] is not None:
+                # extend the sequence: template close was appended after the reply; now the next user turn
+                delta = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+                prev = tokenizer.apply_chat_template(msgs[:-1], tokenize=False)
+                if not delta.startswith(prev):
+                    raise ValueError("chat template is not prefix-stable across turns; use --context-turns")
+                add = tokenizer(delta[len(prev):] + prefill(cfg), add_special_tokens=False)["input_ids"]
+                running[i].input_ids += add
+                running[i].loss_mask += [0] * len(add)
+            else:
+                ids = render_ids(tokenizer, msgs, cfg)
+                running[i] = Segment(list(ids), [0] * len(ids))
+            prompts.append(running[i].input_ids)
+        # --- replies for all live episodes at once
+        if agent is not None:
+            texts = [scripted_reply(*agent(envs[i], left[i], cfg), cfg) for i in live]
+            sampled = None
+            if tokenizer is not None:
+                sampled = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        else:
+            sampled = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, generator)
+            texts = [tokenizer.decode(s, skip_special_tokens=False) for s in sampled]
+        # --- parse, act, record
+        still = []
+        for j, i in enumerate(live):
+            reply = prefill(cfg) + texts[j]
+            n_tok = len(sampled[j]) if sampled is not None else len(texts[j].split())
+            turn = act_turn(envs[i], reply, left[i], cfg, obs[i], n_tok)
+            left[i] -= len(turn.actions)
+            obs[i] = envs[i].render()
+            replies[i].append(reply)
+            trajs[i].turns.append(turn)
+            trajs[i].success = trajs[i].success or turn.success
+            if tokenizer is not None:
+                seg = running[i]
+                seg.input_ids += sampled[j]
+                seg.loss_mask += [1] * len(sampled[j])
+                tail = close
+                if sampled[j] and sampled[j][-1] == tokenizer.eos_token_id and tokenizer.eos_token \
+                        and tail.startswith(tokenizer.eos_token):
+                    tail = tail[len(tokenizer.eos_token):]      # the policy already closed its turn
+                add = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
+                seg.input_ids += add
+                seg.loss_mask += [0] * len(add)
+                if cfg.context_turns > 0:
+                    trajs[i].segments.append(seg)
+            trajs[i].done = envs[i].done
+            if not envs[i].done and left[i] > 0:
+                still.append(i)
+        live = still
+    for i, t in enumerate(trajs):
+        t.messages = full_messages(hdr[i], user_msgs[i], replies[i])
+        if tokenizer is not None and cfg.context_turns == 0 and running[i] is not None:
+            t.segments = [running[i]]
+    return trajs
+
+
+def act_turn(env, reply: str, actions_left: int, cfg: RolloutConfig, obs: str, n_tok: int) -> Turn:
+    """Parse one reply and execute its actions; the format penalty is charged once per bad turn."""
+    actions, parsed = parse_reply(reply, cfg.think, min(cfg.max_actions_per_turn, actions_left))
+    env_r, valid, effective, ran, success = 0.0, 0, 0, [], False
+    for a in actions:
+        if env.done:
+            break
+        _, r, _, info = env.step(a)
+        ran.append(a)
+        env_r += r
+        valid += int(info["action_is_valid"])
+        effective += int(info["action_is_effective"])
+        success = success or bool(info["success"])
+    ok = parsed and valid == len(ran) and len(ran) > 0
+    return Turn(obs=obs, reply=reply, actions=ran, parsed=parsed, format_ok=ok, env_reward=env_r,
+                reward=env_r + (0.0 if ok else cfg.format_penalty), valid=valid, effective=effective,
+                response_tokens=n_tok, success=success)
+
+
+def window_messages(header: str, user_msgs: list[str], replies: list[str], context_turns: int) -> list[dict]:
+    """System + instruction + the last K turns (K = 0: all), ending with the current user turn."""
+    n = len(user_msgs)
+    first = 0 if context_turns == 0 else max(0, n - context_turns)
+    msgs = [{"role": "system", "content": SYSTEM_PROMPT}]
+    for t in range(first, n):
+        content = (header if t == first else "") + user_msgs[t]
+        msgs.append({"role": "user", "content": content})
+        if t < len(replies):
+            msgs.append({"role": "assistant", "content": replies[t]})
+    return msgs
+
+
+def full_messages(header, user_msgs, replies) -> list[dict]:
+    return window_messages(header, user_msgs, replies, 0)
+
+
+def dump(traj: Trajectory, tokenizer=None) -> str:
+    """A readable text dump of one trajectory (what the agent saw and said, rewards per turn)."""
+    lines = [f"=== env={traj.env} seed={traj.seed} group={traj.group_id} reward={traj.reward:.2f} "
+             f"success={traj.success} actions={traj.num_actions} valid={traj.valid_actions} "
+             f"effective={traj.effective_actions}"]
+    for m in traj.messages:
+        lines.append(f"--- {m['role']}\n{m['content'].rstrip()}")
+    for k, t in enumerate(traj.turns, 1):
+        lines.append(f"[turn {k}] actions={t.actions} format_ok={t.format_ok} reward={t.reward:.2f}")
+    if tokenizer is not None and traj.segments:
+        s = traj.segments[-1]
+        trained = tokenizer.decode([i for i, m in zip(s.input_ids, s.loss_mask) if m], skip_special_tokens=False)
+        lines.append(f"--- trained tokens of the last segment:\n{trained}")
+    return "\n".join(lines) + "\n"

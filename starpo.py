@@ -1,0 +1,601 @@
+"""StarPO's update: the clipped token-level policy loss, entropy bonus, KL to the initial policy, the PPO
+critic's clipped value loss, a memory-light fused log-prob/entropy path, and `update` that runs them.
+
+Paper: RAGEN section 2.2 (StarPO: PPO or GRPO on whole multi-turn trajectories, token-level objective),
+section 4.2 (StarPO-S: KL removal, Clip-Higher eps_low = 0.2 / eps_high = 0.28), Appendix A (PPO critic),
+Appendix C.2 (entropy bonus 0.001, KL 0.001 for StarPO and only tracked post-hoc for StarPO-S, gamma = lambda = 1,
+"update batch 32, mini-batch 4", read as RAGEN's config does: 32 trajectories per optimizer step
+(ppo_mini_batch_size), gradients accumulated over micro-batches of 4, which changes nothing in the math),
+Appendix D (clip and KL ablations).
+
+Per sampled token t of a trajectory (mask[:, t] == 1):
+    ratio_t = exp(logp_t - old_logp_t)                                   (log-ratio clamped to +-20)
+    pg_t    = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high))
+    loss    = agg(pg) - entropy_coef * agg(entropy) + kl_coef * agg(kl(logp, ref_logp))
+where agg is a token mean over the mini-batch's sampled tokens (default). Log-probs and entropies come from
+`token_logprobs`; the default fused path never materialises the [B, T, V] logits (V = 151,936 for Qwen2.5).
+
+Token convention: `logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])` (from the logits at t - 1; column 0
+is 0), `entropy[:, t]` the entropy of that same distribution, `values[:, t]` the value of the state just before
+token t; all right-padded [B, T] like the masks.
+
+Deliberate deviations from the paper / RAGEN (verl core_algos):
+1. Clip-fraction names: `pg_clipfrac_upper` counts tokens clipped at 1 + eps_high (A > 0) and
+   `pg_clipfrac_lower` those clipped at 1 - eps_low (A < 0); verl's `pg_clipfrac_lower` is the dual-clip
+   fraction, reported here as `pg_clipfrac_dual` (only when dual clip is on).
+2. `seq-mean-*` aggregations divide by the number of rows with at least one sampled token (verl divides by all
+   rows, and its token-mean per row is 0/0 for an empty row); a mini-batch with no sampled token gives loss 0.
+3. Values outside the mask never reach a loss or a gradient: advantages and old log-probs there are replaced
+   (verl multiplies by the mask, so a NaN on a padding token becomes a NaN gradient).
+4. The fused path always computes logits in fp32, also under bf16 autocast (HF and verl compute the LM head in
+   bf16 and upcast); this is what the per-token log-ratio needs, and it is slower on a GPU than a bf16 head.
+   It assumes logits = lm_head(final hidden state), true for Qwen2/Llama/Mistral; models that post-process
+   logits (softcapping, logit scaling) must use `fused=False`.
+5. `update` syncs with the host once per optimizer step (to decide whether the step is finite) and once at the
+   end for the metrics; nothing per micro-batch. A non-finite policy or value loss, or a non-finite grad norm,
+   skips the whole mini-batch (policy and critic), counted in `train/skipped_nonfinite`. Metrics average only
+   over the steps actually taken.
+6. `train/approx_kl` is verl's `ppo_kl`, the k1 estimate mean(old_logp - logp); `train/kl_to_init` uses the
+   configured `kl_kind` (k3 by default) and is measured whenever reference log-probs are given, also with
+   kl_coef = 0 (StarPO-S tracks KL post-hoc, Appendix C.2). Without ref_logp both KL keys are absent.
+7. `update` leaves the modules' train/eval mode to the caller (old_logp must come from the same mode for the
+   first ratio to be exactly 1; Qwen2 has no dropout, so the two agree anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+KL_KINDS = ("k1", "k3")
+LOG_RATIO_CLAMP = 20.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Aggregation
+# ----------------------------------------------------------------------------------------------------------
+
+def aggregate(loss_tok: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
+              denom: torch.Tensor | float | None = None) -> torch.Tensor:
+    """Reduce a per-token loss [B, T] over the sampled tokens to a scalar.
+
+    token-mean:           sum over sampled tokens / number of sampled tokens
+    seq-mean-token-mean:  per row, mean over its sampled tokens; then sum over rows / number of non-empty rows
+    seq-mean-token-sum:   per row, sum over its sampled tokens; then sum over rows / number of non-empty rows
+    `denom` overrides the divisor (tokens for token-mean, rows for seq-mean-*): `update` passes the count of the
+    whole mini-batch so that micro-batch losses add up exactly to the mini-batch loss.
+    """
+    if agg not in AGG_MODES:
+        raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+    m = mask > 0
+    masked = torch.where(m, loss_tok, 0.0)  # [B, T]
+    if agg == "token-mean":
+        total = masked.sum()
+        count = m.sum()
+    else:
+        row_tokens = m.sum(dim=1)  # [B]
+        row = masked.sum(dim=1)  # [B]
+        if agg == "seq-mean-token-mean":
+            row = row / row_tokens.clamp(min=1)
+        total = row.sum()
+        count = (row_tokens > 0).sum()
+    if denom is None:
+        denom = count.clamp(min=1)
+    return total / denom
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over the tokens where mask == 1 (0 when there are none). No host sync."""
+    m = mask > 0
+    return torch.where(m, x, 0.0).sum() / m.sum().clamp(min=1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Losses
+# ----------------------------------------------------------------------------------------------------------
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                clip_low: float = 0.2, clip_high: float = 0.28, agg: str = "token-mean",
+                dual_clip: float | None = None,
+                denom: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate with decoupled clip bounds (Clip-Higher, section 4.2), per token, aggregated.
+
+    logp, old_logp, advantages, mask: [B, T]. ratio = exp(clamp(logp - old_logp, -20, 20));
+    per-token loss max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)); with `dual_clip = c > 1`,
+    tokens with A < 0 are further bounded by -A * c (dual-clip PPO). `denom`: see `aggregate`.
+    Returns (loss, metrics) with metrics as 0-dim tensors (token means over the mask, no host sync):
+    pg_clipfrac, pg_clipfrac_upper, pg_clipfrac_lower, approx_kl (k1 to the old policy) and, with dual clip,
+    pg_clipfrac_dual.
+    """
+    if not (logp.shape == old_logp.shape == advantages.shape == mask.shape):
+        raise ValueError(f"logp, old_logp, advantages and mask must share one [B, T] shape, got "
+                         f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(advantages.shape)}, "
+                         f"{tuple(mask.shape)}")
+    if not (0.0 <= clip_low < 1.0) or clip_high < 0.0:
+        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, "
+                         f"clip_high={clip_high}")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    m = mask > 0
+    # outside the mask: A = 0 and old = logp, so junk there (padding) cannot reach a gradient
+    adv = torch.where(m, advantages.float(), 0.0)
+    old = torch.where(m, old_logp.float(), logp.detach().float())
+    log_ratio = (logp.float() - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)  # [B, T]
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss_tok = torch.maximum(unclipped, clipped)  # [B, T]
+    metrics = {
+        "pg_clipfrac": masked_mean((clipped > unclipped).float(), mask),
+        "pg_clipfrac_upper": masked_mean(((adv > 0) & (ratio > 1.0 + clip_high)).float(), mask),
+        "pg_clipfrac_lower": masked_mean(((adv < 0) & (ratio < 1.0 - clip_low)).float(), mask),
+        "approx_kl": masked_mean(-log_ratio.detach(), mask),
+    }
+    if dual_clip is not None:
+        bound = -adv * dual_clip  # [B, T]; for A < 0 the loss may not exceed |A| * c
+        metrics["pg_clipfrac_dual"] = masked_mean(((adv < 0) & (loss_tok > bound)).float(), mask)
+        loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, bound), loss_tok)
+    return aggregate(loss_tok, mask, agg, denom), metrics
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate [B, T] of KL(pi || pi_ref) from samples of pi (Schulman's estimators).
+
+    k1: logp - ref_logp (unbiased, high variance, can be negative).
+    k3: r - log r - 1 with r = pi_ref / pi, i.e. verl's `low_var_kl` (log r clamped to +-20, result clamped to
+        [-10, 10]); non-negative, low variance. StarPO uses a KL loss to the initial policy (coef 0.001);
+        StarPO-S only measures it (section 4.2, Appendix C.2).
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
+    if logp.shape != ref_logp.shape:
+        raise ValueError(f"logp and ref_logp shapes differ: {tuple(logp.shape)} vs {tuple(ref_logp.shape)}")
+    if kind == "k1":
+        return logp.float() - ref_logp.float()
+    log_r = (ref_logp.float() - logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return (torch.exp(log_r) - log_r - 1.0).clamp(-10.0, 10.0)
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip: float | None = 0.5,
+               denom: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped value loss (Appendix A): 0.5 * token-mean of max((V - R)^2, (V_clip - R)^2) where
+    V_clip = old_V + clip(V - old_V, -clip, clip). `clip=None` gives the plain squared error.
+    Returns (loss, {"vf_clipfrac": fraction of tokens where the clipped error is the larger one}).
+    `denom`: number of tokens to divide by (see `aggregate`).
+    """
+    if not (values.shape == old_values.shape == returns.shape == mask.shape):
+        raise ValueError(f"values, old_values, returns and mask must share one [B, T] shape, got "
+                         f"{tuple(values.shape)}, {tuple(old_values.shape)}, {tuple(returns.shape)}, "
+                         f"{tuple(mask.shape)}")
+    if clip is not None and clip <= 0:
+        raise ValueError(f"value clip must be > 0 or None, got {clip}")
+    m = mask > 0
+    v = values.float()
+    ret = torch.where(m, returns.float(), v.detach())
+    old = torch.where(m, old_values.float(), v.detach())
+    err = (v - ret) ** 2
+    if clip is None:
+        loss_tok, frac = err, torch.zeros((), device=v.device)
+    else:
+        # clamp v itself into [old - clip, old + clip]: exact when inside (old + (v - old) may round off by an
+        # ulp and count as "clipped")
+        v_clipped = torch.minimum(torch.maximum(v, old - clip), old + clip)
+        err_clipped = (v_clipped - ret) ** 2
+        loss_tok = torch.maximum(err, err_clipped)
+        frac = masked_mean((err_clipped > err).float(), mask)
+    return 0.5 * aggregate(loss_tok, mask, "token-mean", denom), {"vf_clipfrac": frac}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Log-probs and entropies: naive reference and fused chunked path
+# ----------------------------------------------------------------------------------------------------------
+
+def naive_logprobs_entropy_from_logits(logits: torch.Tensor, targets: torch.Tensor,
+                                       temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: logits [N, V] -> (log p(target) [N], entropy [N]) through full fp32 log-softmax."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [N, V]
+    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+def naive_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           targets: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for `fused_logprobs_entropy`: materialises the whole [N, V] fp32 logits."""
+    logits = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())  # [N, V]
+    return naive_logprobs_entropy_from_logits(logits, targets, temperature)
+
+
+# Elementwise work on a chunk's logits runs over row blocks of about this many floats (64 MiB), so that the
+# chunk's [c, V] logits buffer is the only large tensor; the matmuls still see the whole chunk.
+_BLOCK_ELEMENTS = 1 << 24
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, temperature: float,
+                  out: torch.Tensor) -> torch.Tensor:
+    """(h @ w.T + b) / temperature in fp32, written into `out` [c, V] (reused across chunks: no fresh
+    allocation, and on CPU no page faults, per chunk)."""
+    if b is None:
+        torch.mm(h.float(), w.t(), out=out)
+    else:
+        torch.addmm(b, h.float(), w.t(), out=out)
+    if temperature != 1.0:
+        out.div_(temperature)
+    return out
+
+
+class _FusedLogprobEntropy(torch.autograd.Function):
+    """Chunked log-prob and entropy. Forward keeps only the per-token log-sum-exp and entropy; backward
+    recomputes each chunk's logits. Extra memory: one [chunk, V] fp32 logits buffer, one [rows, V] block
+    buffer (64 MiB) and, in backward, the fp32 [V, H] weight gradient, instead of several [N, V] tensors."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            w = weight.float()  # no copy when the head is already fp32
+            b = None if bias is None else bias.float()
+            n, V = hidden.shape[0], w.shape[0]
+            rows = max(1, min(chunk_size, _BLOCK_ELEMENTS // V))
+            logits = torch.empty(min(chunk_size, n), V, dtype=torch.float32, device=hidden.device)  # [c, V]
+            block = torch.empty(rows, V, dtype=torch.float32, device=hidden.device)  # [rows, V]
+            logp = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
+            entropy = torch.empty_like(logp)  # [N]
+            lse = torch.empty_like(logp)  # [N] log-sum-exp of the (tempered) logits, reused by backward
+            for s in range(0, n, chunk_size):
+                e = min(s + chunk_size, n)
+                z = _chunk_logits(hidden[s:e], w, b, temperature, logits[:e - s])  # [c, V]
+                for r in range(0, e - s, rows):
+                    zr = z[r:r + rows]  # [r, V] view
+                    i = slice(s + r, s + r + zr.shape[0])  # the same tokens in the [N] outputs
+                    z_max = zr.amax(dim=1, keepdim=True)  # [r, 1]
+                    zr.sub_(z_max)  # shifted logits <= 0: exp cannot overflow
+                    q = torch.exp(zr, out=block[:zr.shape[0]])  # unnormalised probabilities
+                    total = q.sum(dim=1)  # [r]
+                    log_total = torch.log(total)
+                    logp[i] = zr.gather(1, targets[i].unsqueeze(1)).squeeze(1) - log_total
+                    # H = -sum_v p_v (z_v - log_total) = log_total - sum_v q_v z_v / total; the product goes
+                    # in place into q (a bmm row-dot would also avoid a buffer but sums far less accurately)
+                    entropy[i] = log_total - q.mul_(zr).sum(dim=1) / total
+                    lse[i] = z_max.squeeze(1) + log_total
+            del logits, block
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        grad_h = grad_w = grad_b = None
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            w = weight.float()
+            b = None if bias is None else bias.float()
+            n, V = hidden.shape[0], w.shape[0]
+            if need_h:
+                grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)  # [N, H]
+            if need_w:
+                grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)  # [V, H]
+            if need_b:
+                grad_b = torch.zeros(b.shape, dtype=torch.float32, device=b.device)  # [V]
+            g_lp = grad_logp.float().unsqueeze(1)  # [N, 1]
+            g_ent = grad_entropy.float().unsqueeze(1)  # [N, 1]
+            rows = max(1, min(chunk_size, _BLOCK_ELEMENTS // V))
+            logits = torch.empty(min(chunk_size, n), V, dtype=torch.float32, device=hidden.device)  # [c, V]
+            block = torch.empty(rows, V, dtype=torch.float32, device=hidden.device)  # [rows, V]
+            for s in range(0, n, chunk_size):
+                e = min(s + chunk_size, n)
+                h = hidden[s:e].float()  # [c, H]
+                z = _chunk_logits(h, w, b, temperature, logits[:e - s])  # [c, V]
+                for r in range(0, e - s, rows):
+                    zr = z[r:r + rows]  # [r, V] view
+                    i = slice(s + r, s + r + zr.shape[0])
+                    zr.sub_(lse[i].unsqueeze(1))  # log p_v
+                    p = torch.exp(zr, out=block[:zr.shape[0]])  # [r, V]
+                    # d logp_y / d z_v = 1[v = y] - p_v ;  d H / d z_v = -p_v (log p_v + H)
+                    # => grad_z = p * (-g_ent * (log p + H) - g_lp) + g_lp * onehot(y), built in place in z
+                    zr.add_(entropy[i].unsqueeze(1)).mul_(-g_ent[i]).sub_(g_lp[i]).mul_(p)
+                    zr.scatter_add_(1, targets[i].unsqueeze(1), g_lp[i])
+                if temperature != 1.0:
+                    z.div_(temperature)  # the logits were divided by T
+                if need_h:
+                    torch.mm(z, w, out=grad_h[s:e])
+                if need_w:
+                    grad_w.addmm_(z.t(), h)
+                if need_b:
+                    grad_b.add_(z.sum(dim=0))
+            del logits, block
+        if grad_h is not None:
+            grad_h = grad_h.to(hidden.dtype)
+        if grad_w is not None:
+            grad_w = grad_w.to(weight.dtype)
+        if grad_b is not None:
+            grad_b = grad_b.to(bias.dtype)
+        return grad_h, grad_w, grad_b, None, None, None
+
+
+def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           targets: torch.Tensor, temperature: float = 1.0,
+                           chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) [N] and entropy [N] of softmax((hidden @ weight.T + bias) / temperature), chunk by chunk.
+
+    hidden [N, H], weight [V, H] (the LM head), bias [V] or None, targets [N] long. Logits are fp32 per chunk
+    (also under autocast); backward recomputes each chunk, so no [N, V] tensor is ever kept. Differentiable
+    in hidden, weight and bias. No host sync.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"need hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if targets.shape != hidden.shape[:1]:
+        raise ValueError(f"targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    return _FusedLogprobEntropy.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size))
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float = 1.0, fused: bool = True,
+                   chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies [B, T] of a Hugging Face causal LM at the sampling temperature.
+
+    logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) from the logits at t - 1; entropy[:, t] is the
+    entropy of that distribution; column 0 is 0 for both. `fused=True`: final hidden states from
+    `model.base_model` and the head from `model.get_output_embeddings()` through `fused_logprobs_entropy`.
+    `fused=False`: the reference, full logits from `model(...).logits`.
+    """
+    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"input_ids and attention_mask must both be [B, T], got {tuple(input_ids.shape)} "
+                         f"and {tuple(attention_mask.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    B, T = input_ids.shape
+    targets = input_ids[:, 1:].reshape(-1)  # [B*(T-1)]
+    if fused:
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                  use_cache=False).last_hidden_state  # [B, T, H]
+        head = model.get_output_embeddings()
+        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # [B*(T-1), H] predicts tokens 1..T-1
+        logp, entropy = fused_logprobs_entropy(h, head.weight, getattr(head, "bias", None), targets,
+                                               temperature, chunk_size)
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, V]
+        logp, entropy = naive_logprobs_entropy_from_logits(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                           targets, temperature)
+    logp = F.pad(logp.view(B, T - 1), (1, 0))  # [B, T], column 0 = 0
+    entropy = F.pad(entropy.view(B, T - 1), (1, 0))
+    return logp, entropy
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Batch, config, update
+# ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Batch:
+    """One row per training trajectory; every tensor is [B, T], right-padded, aligned by token position."""
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long
+    loss_mask: torch.Tensor  # [B, T] float, 1 on policy-sampled tokens
+    old_logp: torch.Tensor  # [B, T] log-probs under the rollout policy
+    advantages: torch.Tensor  # [B, T]
+    ref_logp: torch.Tensor | None = None  # [B, T] log-probs under the initial policy (KL)
+    returns: torch.Tensor | None = None  # [B, T] critic targets (PPO)
+    old_values: torch.Tensor | None = None  # [B, T] critic values at rollout time (PPO)
+
+    def __post_init__(self):
+        shape = tuple(self.input_ids.shape)
+        if len(shape) != 2:
+            raise ValueError(f"Batch.input_ids must be [B, T], got {shape}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is not None and tuple(value.shape) != shape:
+                raise ValueError(f"Batch.{f.name} has shape {tuple(value.shape)}, expected {shape}")
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def _map(self, fn) -> "Batch":
+        return Batch(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
+                        for f in dataclasses.fields(self)})
+
+    def to(self, device) -> "Batch":
+        return self._map(lambda t: t.to(device))
+
+    def select(self, rows) -> "Batch":
+        """Rows by index tensor, list or slice."""
+        return self._map(lambda t: t[rows])
+
+
+@dataclass
+class UpdateConfig:
+    mini_batch: int = 32  # trajectories per optimizer step (Appendix C.2)
+    micro_batch: int = 4  # trajectories per forward/backward (gradient accumulation)
+    clip_low: float = 0.2  # eps_low
+    clip_high: float = 0.28  # eps_high, Clip-Higher (section 4.2; StarPO uses 0.2)
+    dual_clip: float | None = None
+    agg: str = "token-mean"
+    entropy_coef: float = 0.001
+    kl_coef: float = 0.0  # 0 = KL removal (StarPO-S); StarPO uses 0.001
+    kl_kind: str = "k3"
+    value_clip: float = 0.5
+    max_grad_norm: float = 1.0
+    temperature: float = 1.0  # log-probs at the sampling temperature
+    fused: bool = True
+    chunk_size: int = 1024
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        if self.mini_batch < 1 or self.micro_batch < 1:
+            raise ValueError(f"mini_batch and micro_batch must be >= 1, got {self.mini_batch}, "
+                             f"{self.micro_batch}")
+        if self.agg not in AGG_MODES:
+            raise ValueError(f"agg must be one of {AGG_MODES}, got {self.agg!r}")
+        if self.kl_kind not in KL_KINDS:
+            raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
+        if not (0.0 <= self.clip_low < 1.0) or self.clip_high < 0.0:
+            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
+        if self.value_clip is not None and self.value_clip <= 0:
+            raise ValueError(f"value_clip must be > 0 or None, got {self.value_clip}")
+
+
+def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float = 0.01) -> torch.optim.Optimizer:
+    """AdamW with weight decay 0.01, the optimizer `update` expects for the policy and the critic."""
+    return torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr,
+                             weight_decay=weight_decay)
+
+
+def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: UpdateConfig,
+           critic: torch.nn.Module | None = None, critic_optimizer: torch.optim.Optimizer | None = None,
+           generator: torch.Generator | None = None, autocast_dtype: torch.dtype | None = None,
+           reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+    """One pass of PPO/GRPO optimisation over `batch` (section 2.2); returns metrics as floats.
+
+    Rows are shuffled with `generator` (a CPU torch.Generator) into mini-batches of cfg.mini_batch rows (the
+    last one may be smaller); each mini-batch is one optimizer step, its gradient accumulated over micro-batches
+    of cfg.micro_batch rows. Losses are divided by the count (tokens, or rows for seq-mean-*) of the whole
+    mini-batch, so accumulation equals one big batch. `reduce_count` maps this process's mini-batch count (a
+    0-dim tensor) to the count to divide by, e.g. an all-reduce sum across data-parallel ranks; default: as is.
+
+    Policy loss = pg_loss - entropy_coef * entropy + kl_coef * kl_to_ref. With `critic` (PPO; called as
+    critic(input_ids, attention_mask) -> values [B, T]), the clipped value loss trains it with its own optimizer
+    and grad clipping. Gradients are clipped at cfg.max_grad_norm; a non-finite loss or grad norm skips the step
+    (grads zeroed, no optimizer step, weights untouched) and is counted. `autocast_dtype`: torch.bfloat16 on
+    CUDA, None on CPU (no autocast).
+    """
+    cfg.validate()
+    if len(batch) == 0:
+        raise ValueError("update got an empty batch")
+    if critic is not None:
+        if critic_optimizer is None:
+            raise ValueError("a critic needs a critic_optimizer")
+        if batch.returns is None or batch.old_values is None:
+            raise ValueError("a critic needs batch.returns and batch.old_values")
+    device = next(policy.parameters()).device
+    batch = batch.to(device)
+    autocast = (lambda: torch.autocast(device_type=device.type, dtype=autocast_dtype)) \
+        if autocast_dtype is not None else contextlib.nullcontext
+    has_ref = batch.ref_logp is not None
+    perm = torch.randperm(len(batch), generator=generator).to(device)
+
+    zero = lambda: torch.zeros((), device=device)  # noqa: E731
+    # totals over the steps actually taken; token-weighted sums for token metrics, per-step sums for the rest
+    keys = ["tokens", "pg_loss", "entropy", "grad_norm", "pg_clipfrac", "pg_clipfrac_upper", "pg_clipfrac_lower",
+            "approx_kl", "kl_to_init", "kl_loss", "pg_clipfrac_dual", "value_loss", "vf_clipfrac",
+            "critic_grad_norm"]
+    totals = {k: zero() for k in keys}
+    steps_taken = skipped = 0
+
+    for start in range(0, len(batch), cfg.mini_batch):
+        mb = batch.select(perm[start:start + cfg.mini_batch])
+        m = mb.loss_mask > 0
+        tokens = m.sum().float()
+        count = tokens if cfg.agg == "token-mean" else (m.sum(dim=1) > 0).sum().float()
+        denom = (reduce_count(count) if reduce_count is not None else count).clamp(min=1)
+        token_denom = (reduce_count(tokens) if reduce_count is not None else tokens).clamp(min=1)
+        step = {k: zero() for k in keys}
+        finite = torch.ones((), dtype=torch.bool, device=device)
+        optimizer.zero_grad(set_to_none=True)
+        if critic is not None:
+            critic_optimizer.zero_grad(set_to_none=True)
+
+        for s in range(0, len(mb), cfg.micro_batch):
+            mi = mb.select(slice(s, s + cfg.micro_batch))
+            n_tok = (mi.loss_mask > 0).sum().float()
+            with autocast():
+                logp, ent = token_logprobs(policy, mi.input_ids, mi.attention_mask, cfg.temperature, cfg.fused,
+                                           cfg.chunk_size)
+            pg, pm = policy_loss(logp, mi.old_logp, mi.advantages, mi.loss_mask, cfg.clip_low, cfg.clip_high,
+                                 cfg.agg, cfg.dual_clip, denom=denom)
+            loss = pg - cfg.entropy_coef * aggregate(ent, mi.loss_mask, cfg.agg, denom)
+            if has_ref:
+                kl_tok = kl_penalty(logp, mi.ref_logp, cfg.kl_kind)  # [b, T]
+                kl_term = aggregate(kl_tok, mi.loss_mask, cfg.agg, denom)
+                if cfg.kl_coef != 0.0:
+                    loss = loss + cfg.kl_coef * kl_term
+                step["kl_loss"] += kl_term.detach()
+                step["kl_to_init"] += masked_mean(kl_tok.detach(), mi.loss_mask) * n_tok
+            loss.backward()
+            finite &= torch.isfinite(loss.detach())
+            step["tokens"] += n_tok
+            step["pg_loss"] += pg.detach()
+            step["entropy"] += masked_mean(ent.detach(), mi.loss_mask) * n_tok
+            for k, v in pm.items():
+                step[k] += v * n_tok  # token means back to token sums
+
+            if critic is not None:
+                with autocast():
+                    values = critic(mi.input_ids, mi.attention_mask)  # [b, T]
+                vl, vm = value_loss(values, mi.old_values, mi.returns, mi.loss_mask, cfg.value_clip,
+                                    denom=token_denom)
+                vl.backward()
+                finite &= torch.isfinite(vl.detach())
+                step["value_loss"] += vl.detach()
+                step["vf_clipfrac"] += vm["vf_clipfrac"] * n_tok
+
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
+        finite &= torch.isfinite(grad_norm)
+        step["grad_norm"] = grad_norm.detach().float()
+        if critic is not None:
+            critic_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
+            finite &= torch.isfinite(critic_norm)
+            step["critic_grad_norm"] = critic_norm.detach().float()
+        if bool(finite):  # the one host sync per optimizer step: whether to step at all
+            optimizer.step()
+            if critic is not None:
+                critic_optimizer.step()
+            for k in keys:
+                totals[k] += step[k]
+            steps_taken += 1
+        else:
+            skipped += 1
+        optimizer.zero_grad(set_to_none=True)
+        if critic is not None:
+            critic_optimizer.zero_grad(set_to_none=True)
+
+    host = dict(zip(keys, torch.stack([totals[k] for k in keys]).tolist()))  # one sync for all metrics
+    n_steps = steps_taken if steps_taken else math.nan
+    n_tokens = host["tokens"] if host["tokens"] > 0 else math.nan
+    out = {
+        "train/pg_loss": host["pg_loss"] / n_steps,
+        "train/entropy": host["entropy"] / n_tokens,
+        "train/grad_norm": host["grad_norm"] / n_steps,
+        "train/pg_clipfrac": host["pg_clipfrac"] / n_tokens,
+        "train/pg_clipfrac_upper": host["pg_clipfrac_upper"] / n_tokens,
+        "train/pg_clipfrac_lower": host["pg_clipfrac_lower"] / n_tokens,
+        "train/approx_kl": host["approx_kl"] / n_tokens,
+    }
+    if cfg.dual_clip is not None:
+        out["train/pg_clipfrac_dual"] = host["pg_clipfrac_dual"] / n_tokens
+    if has_ref:
+        out["train/kl_to_init"] = host["kl_to_init"] / n_tokens
+        out["train/kl_loss"] = host["kl_loss"] / n_steps
+    if critic is not None:
+        out["train/value_loss"] = host["value_loss"] / n_steps
+        out["train/vf_clipfrac"] = host["vf_clipfrac"] / n_tokens
+        out["train/critic_grad_norm"] = host["critic_grad_norm"] / n_steps
+    out["train/skipped_nonfinite"] = float(skipped)
+    out["train/optimizer_steps"] = float(steps_taken)
+    return out

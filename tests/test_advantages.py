@@ -1,0 +1,170 @@
+"""Tests for advantages.py: every estimator against a slow, explicit per-row loop.
+
+Run from the repository root:  python -m pytest -q tests/test_advantages.py   (about 2 s on one core)
+
+Masks are random with holes between turns (environment messages inside a trajectory) and include all-masked
+rows; the loops re-derive each quantity from its textbook definition on plain Python floats.
+"""
+import math
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from advantages import broadcast_to_tokens, gae, grpo_advantages, place_reward_on_last_token, whiten  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+def multi_turn_mask(B, T, gen, empty_rows=(1,)):
+    """[B, T] mask: prompt, then alternating reply segments (1) and env messages (0), then right padding."""
+    mask = torch.zeros(B, T)
+    for b in range(B):
+        if b in empty_rows:
+            continue
+        t = int(torch.randint(1, 4, (1,), generator=gen))  # prompt
+        end = T - int(torch.randint(0, 5, (1,), generator=gen))  # padding
+        sampled = True
+        while t < end:
+            seg = int(torch.randint(1, 5, (1,), generator=gen))
+            if sampled:
+                mask[b, t:min(t + seg, end)] = 1
+            t += seg
+            sampled = not sampled
+    return mask
+
+
+def test_place_reward_on_last_token_matches_loop():
+    gen = torch.Generator().manual_seed(0)
+    mask = multi_turn_mask(6, 20, gen, empty_rows=(2, 5))
+    scores = torch.randn(6, generator=gen)
+    out = place_reward_on_last_token(scores, mask)
+    for b in range(6):
+        sampled = [t for t in range(20) if mask[b, t] == 1]
+        for t in range(20):
+            want = float(scores[b]) if sampled and t == sampled[-1] else 0.0
+            assert out[b, t].item() == pytest.approx(want)
+    assert out[2].abs().sum() == 0 and out[5].abs().sum() == 0
+
+
+def slow_gae(rewards, values, mask, gamma, lam):
+    """GAE on the compressed sequence of sampled tokens of each row, written back to their positions."""
+    B, T = mask.shape
+    adv = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        pos = [t for t in range(T) if mask[b, t] == 1]
+        running = 0.0
+        for i in reversed(range(len(pos))):
+            t = pos[i]
+            next_v = float(values[b, pos[i + 1]]) if i + 1 < len(pos) else 0.0
+            delta = float(rewards[b, t]) + gamma * next_v - float(values[b, t])
+            running = delta + gamma * lam * running
+            adv[b][t] = running
+    return torch.tensor(adv)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.8), (0.99, 0.0)])
+def test_gae_matches_loop_across_env_messages(gamma, lam):
+    gen = torch.Generator().manual_seed(1)
+    mask = multi_turn_mask(7, 30, gen, empty_rows=(3,))
+    values = torch.randn(7, 30, generator=gen)
+    rewards = torch.randn(7, 30, generator=gen) * mask  # per-token rewards on sampled tokens only
+    adv, ret = gae(rewards, values, mask, gamma, lam)
+    want = slow_gae(rewards, values, mask, gamma, lam)
+    torch.testing.assert_close(adv, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret, adv + values)
+    assert adv[3].abs().sum() == 0  # all-masked row
+    assert (adv[mask == 0] == 0).all()
+
+
+def test_gae_trajectory_reward_gamma_lam_one_gives_reward_minus_value():
+    # paper setting (gamma = lambda = 1, reward on the last sampled token): A_t = R - V_t on every sampled token
+    gen = torch.Generator().manual_seed(2)
+    mask = multi_turn_mask(5, 25, gen, empty_rows=())
+    scores = torch.randn(5, generator=gen)
+    values = torch.randn(5, 25, generator=gen)
+    adv, _ = gae(place_reward_on_last_token(scores, mask), values, mask)
+    want = (scores[:, None] - values) * mask
+    torch.testing.assert_close(adv, want, atol=1e-5, rtol=1e-5)
+
+
+def test_gae_ignores_nonfinite_values_on_skipped_tokens_and_rejects_misplaced_rewards():
+    mask = torch.tensor([[0, 1, 1, 0, 0, 1, 0.0]])
+    values = torch.tensor([[float("nan"), 0.5, 0.2, float("inf"), 3.0, 0.1, float("nan")]])
+    rewards = torch.tensor([[0, 0, 0, 0, 0, 1.0, 0]])
+    adv, _ = gae(rewards, values, mask)
+    assert torch.isfinite(adv).all()
+    torch.testing.assert_close(adv, slow_gae(rewards, torch.nan_to_num(values), mask, 1.0, 1.0))
+    with pytest.raises(ValueError, match="outside mask"):
+        gae(torch.tensor([[0, 0, 0, 1.0, 0, 0, 0]]), torch.zeros(1, 7), mask)
+    with pytest.raises(ValueError, match="gamma"):
+        gae(rewards, torch.zeros(1, 7), mask, gamma=1.5)
+
+
+@pytest.mark.parametrize("shift_mean", [True, False])
+def test_whiten_matches_loop(shift_mean):
+    gen = torch.Generator().manual_seed(3)
+    mask = multi_turn_mask(4, 16, gen)
+    x = torch.randn(4, 16, generator=gen) * 3 + 2
+    out = whiten(x, mask, shift_mean=shift_mean)
+    vals = [float(x[b, t]) for b in range(4) for t in range(16) if mask[b, t] == 1]
+    mean, var = statistics.fmean(vals), statistics.variance(vals)  # unbiased, as verl's masked_whiten
+    for b in range(4):
+        for t in range(16):
+            want = (float(x[b, t]) - mean) / math.sqrt(var + 1e-8) + (0 if shift_mean else mean)
+            assert out[b, t].item() == pytest.approx(want if mask[b, t] == 1 else 0.0, abs=1e-5)
+    with pytest.raises(ValueError, match="at least 2"):
+        whiten(x, torch.zeros(4, 16))
+
+
+def slow_grpo(scores, ids, eps, norm_by_std):
+    out = []
+    for i, g in enumerate(ids):
+        members = [float(scores[j]) for j, h in enumerate(ids) if h == g]
+        if len(members) == 1:
+            out.append(0.0)
+            continue
+        mean = statistics.fmean(members)
+        a = float(scores[i]) - mean
+        out.append(a / (statistics.stdev(members) + eps) if norm_by_std else a)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_grpo_matches_loop_with_ties_zero_variance_and_singletons(norm_by_std):
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0,  # group 7: ties
+                           0.5, 0.5, 0.5,  # group 3: zero variance -> 0
+                           2.0,  # group 9: a group of one -> 0
+                           -0.1, 1.0, 0.0, 1.0])  # group 4, interleaved below
+    ids = torch.tensor([7, 7, 7, 7, 3, 3, 3, 9, 4, 4, 4, 4])
+    perm = torch.randperm(12, generator=torch.Generator().manual_seed(4))  # groups need not be contiguous
+    scores, ids = scores[perm], ids[perm]
+    out = grpo_advantages(scores, ids, norm_by_std=norm_by_std)
+    torch.testing.assert_close(out, slow_grpo(scores, ids.tolist(), 1e-6, norm_by_std), atol=1e-6, rtol=1e-5)
+    assert (out[ids == 3] == 0).all() and (out[ids == 9] == 0).all()
+    # group ids may be any hashables (e.g. prompt seeds as strings)
+    out_str = grpo_advantages(scores, [f"seed{int(i)}" for i in ids], norm_by_std=norm_by_std)
+    torch.testing.assert_close(out_str, out)
+
+
+def test_grpo_random_against_loop():
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 6, (40,), generator=gen)
+    scores = torch.randint(-2, 3, (40,), generator=gen).float() * 0.5  # many ties
+    torch.testing.assert_close(grpo_advantages(scores, ids), slow_grpo(scores, ids.tolist(), 1e-6, True),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_broadcast_to_tokens():
+    gen = torch.Generator().manual_seed(6)
+    mask = multi_turn_mask(3, 10, gen)
+    adv = torch.tensor([1.5, -2.0, 0.25])
+    out = broadcast_to_tokens(adv, mask)
+    for b in range(3):
+        for t in range(10):
+            assert out[b, t].item() == (adv[b].item() if mask[b, t] == 1 else 0.0)
+    with pytest.raises(ValueError):
+        broadcast_to_tokens(adv[:2], mask)
