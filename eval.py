@@ -1,0 +1,190 @@
+"""Evaluation: the paper's protocol (section 3.3) on any policy, with scripted floors and ceilings.
+
+256 fixed prompts (seeds 123..378, envs.EVAL_SEEDS), temperature 0.5, the same turn and action budgets as
+training. Reports success rate with a 95% Wilson interval, mean actions, valid and effective action rates and
+mean response length (tokens per turn). `--envs a,b,c` evaluates one policy on several envs and prints a
+markdown table (the paper's generalisation tables: train on one env, test on its variants).
+
+    python eval.py --env sokoban --policy runs/sokoban-grpo/final
+    python eval.py --envs sokoban,sokoban-newvocab,sokoban-large --policy tiny --json out.json
+    python eval.py --env frozenlake --policy random     # the floor; --policy expert is the ceiling
+
+A policy folder written by train.py or sft_baseline.py holds `train_config.json`; its rollout settings
+(history window, think mode, budgets) are used unless a flag overrides them, so a policy is always evaluated
+with the prompts it was trained on.
+
+Deviations from the paper / RAGEN (deliberate):
+1. `random` and `expert` are scripted agents through the same rollout loop, so every table has a floor and a
+   ceiling; their replies are rendered as text (response length is not reported for them).
+2. One rollout per prompt (the paper's 256 prompts x 1): `sample` 0 of each seed, i.e. fixed payoffs and slips
+   per prompt, so two policies meet the same luck.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+import cli
+from envs import ENVS, EVAL_SEEDS
+from rollout import RolloutConfig, Trajectory, dump, expert_agent, random_agent, rollout
+
+SCRIPTED = ("random", "expert")
+ROLLOUT_KEYS = ("max_turns", "max_actions_per_turn", "max_actions", "format_penalty", "think", "context_turns",
+                "max_new_tokens")
+
+
+@dataclass
+class Config:
+    env: str = cli.flag("sokoban", "environment to evaluate on", choices=sorted(ENVS))
+    envs: str = cli.flag("", "comma-separated envs (overrides --env); prints one markdown table")
+    policy: str = cli.flag("tiny", "a run's policy folder (RUN_DIR/final), a hub id, tiny, random or expert")
+    prompts: int = cli.flag(256, "how many of the fixed eval prompts (seeds 123..) to use, at most 256")
+    temperature: float = cli.flag(0.5, "sampling temperature (paper: 0.5); 0 = greedy")
+    max_turns: int | None = cli.flag(None, "turns per episode (default: the policy's training value, else 5)")
+    max_actions_per_turn: int | None = cli.flag(None, "actions per turn (default: training value, else 5)")
+    max_actions: int | None = cli.flag(None, "actions per episode (default: training value, else 10)")
+    think: bool | None = cli.flag(None, "<think> before <answer> (default: the policy's training mode, else on)")
+    context_turns: int | None = cli.flag(None, "history window in turns, 0 = whole conversation (default: training)")
+    max_new_tokens: int | None = cli.flag(None, "token budget per reply (default: training value, else 100)")
+    batch: int = cli.flag(256, "episodes decoded together in one batch")
+    seed: int = cli.flag(0, "sampling seed")
+    device: str = cli.flag("auto", "auto, cpu, cuda or cuda:N")
+    threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)")
+    webshop_data: str | None = cli.flag(None, "folder with the original WebShop files (default: shipped catalogue)")
+    json: str | None = cli.flag(None, "write the numbers to this JSON file")
+    dump: int = cli.flag(0, "print this many trajectories as readable text")
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson score interval of a success rate k/n (sound at 0 and 1, unlike the normal approximation)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def summarize(trajs: list[Trajectory], scripted: bool = False) -> dict:
+    """Success with its interval, actions, valid/effective action rates, response length, format rate."""
+    n = len(trajs)
+    k = sum(t.success for t in trajs)
+    lo, hi = wilson(k, n)
+    acts = sum(t.num_actions for t in trajs)
+    turns = [x for t in trajs for x in t.turns]
+    return {
+        "success": k / n, "success_lo": lo, "success_hi": hi,
+        "reward": sum(t.reward for t in trajs) / n,
+        "num_actions": acts / n,
+        "valid_action": sum(t.valid_actions for t in trajs) / max(1, acts),
+        "effective_action": sum(t.effective_actions for t in trajs) / max(1, acts),
+        "format": sum(x.parsed for x in turns) / max(1, len(turns)),
+        "response_length": None if scripted else sum(x.response_tokens for x in turns) / max(1, len(turns)),
+        "episodes": n,
+    }
+
+
+def evaluate(env: str, rcfg: RolloutConfig, model=None, tokenizer=None, agent=None, prompts: int = 256,
+             seed: int = 0, batch: int = 256, env_overrides: dict | None = None) -> tuple[dict, list[Trajectory]]:
+    """The first `prompts` eval seeds, one rollout each, in batches; -> (metrics, trajectories)."""
+    if not 1 <= prompts <= len(EVAL_SEEDS):
+        raise ValueError(f"--prompts {prompts}: must be in 1..{len(EVAL_SEEDS)}")
+    seeds = EVAL_SEEDS[:prompts]
+    device = next(model.parameters()).device if model is not None else torch.device("cpu")
+    gen = torch.Generator(device=device).manual_seed(seed)  # fresh per call: eval never moves training's RNG
+    trajs: list[Trajectory] = []
+    was_training = model.training if model is not None else False
+    if model is not None:
+        model.eval()
+    for i in range(0, len(seeds), batch):
+        part = seeds[i:i + batch]
+        trajs += rollout(env, part, list(range(i, i + len(part))), rcfg, tokenizer=tokenizer, model=model,
+                         agent=agent, generator=gen, env_overrides=env_overrides)
+    if model is not None and was_training:
+        model.train()
+    return summarize(trajs, scripted=agent is not None), trajs
+
+
+def rollout_config_for(policy_path: str | None, cfg: Config) -> RolloutConfig:
+    """Training's rollout settings saved beside the policy, then the flags typed here on top."""
+    saved = {}
+    if policy_path is not None and (Path(policy_path) / "train_config.json").exists():
+        saved = json.loads((Path(policy_path) / "train_config.json").read_text())
+    values = {k: saved[k] for k in ROLLOUT_KEYS if k in saved}
+    values.update({k: getattr(cfg, k) for k in ROLLOUT_KEYS if getattr(cfg, k, None) is not None})
+    return RolloutConfig(temperature=cfg.temperature, **values)
+
+
+def table(rows: dict[str, dict]) -> str:
+    head = "| env | success (95% CI) | reward | actions | valid | effective | format | resp. tokens |"
+    out = [head, "|" + "---|" * 8]
+    for env, m in rows.items():
+        rl = "-" if m["response_length"] is None else f"{m['response_length']:.1f}"
+        out.append(f"| {env} | {m['success']:.3f} ({m['success_lo']:.3f}-{m['success_hi']:.3f}) | "
+                   f"{m['reward']:.3f} | {m['num_actions']:.2f} | {m['valid_action']:.3f} | "
+                   f"{m['effective_action']:.3f} | {m['format']:.3f} | {rl} |")
+    return "\n".join(out)
+
+
+def main(argv=None):
+    cfg, _ = cli.parse(Config, argv, description=__doc__.split("\n")[0])
+    envs = [e.strip() for e in cfg.envs.split(",") if e.strip()] if cfg.envs else [cfg.env]
+    for e in envs:
+        if e not in ENVS:
+            cli.fail(f"--envs: unknown env {e!r}; allowed: {', '.join(sorted(ENVS))}")
+    if not 1 <= cfg.prompts <= len(EVAL_SEEDS):
+        cli.fail(f"--prompts {cfg.prompts}: must be in 1..{len(EVAL_SEEDS)}")
+    if cfg.temperature < 0:
+        cli.fail(f"--temperature {cfg.temperature}: must be >= 0")
+    if cfg.batch < 1:
+        cli.fail(f"--batch {cfg.batch}: must be >= 1")
+    from policy import load_policy, pick_device, set_cpu_threads
+    model = tok = None
+    path = None
+    try:
+        device = pick_device(cfg.device)
+        set_cpu_threads(device, cfg.threads)
+        if cfg.policy not in SCRIPTED:
+            model, tok, path = load_policy(cfg.policy, device)
+        rcfg = rollout_config_for(path, cfg)
+    except ValueError as e:
+        cli.fail(str(e))
+    overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
+    rows, all_trajs = {}, {}
+    for env in envs:
+        agent = None
+        if cfg.policy == "random":
+            agent = random_agent(random.Random(cfg.seed))
+        elif cfg.policy == "expert":
+            agent = expert_agent()
+        t0 = time.time()
+        try:
+            m, trajs = evaluate(env, rcfg, model, tok, agent, cfg.prompts, cfg.seed, cfg.batch,
+                                overrides if env == "webshop" else None)
+        except ValueError as e:
+            cli.fail(str(e))
+        m["seconds"] = time.time() - t0
+        rows[env], all_trajs[env] = m, trajs
+        print(f"{env}: success {m['success']:.3f} [{m['success_lo']:.3f}, {m['success_hi']:.3f}] "
+              f"actions {m['num_actions']:.2f} valid {m['valid_action']:.3f} effective "
+              f"{m['effective_action']:.3f} format {m['format']:.3f} ({m['seconds']:.0f}s)", file=sys.stderr)
+        for t in trajs[:cfg.dump]:
+            print(dump(t, tok), file=sys.stderr)
+    print(f"policy: {cfg.policy}, {cfg.prompts} prompts, temperature {cfg.temperature}, "
+          f"rollout: {asdict(rcfg)}")
+    print(table(rows))
+    if cfg.json:
+        Path(cfg.json).write_text(json.dumps({"policy": cfg.policy, "rollout": asdict(rcfg), "results": rows},
+                                             indent=2))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

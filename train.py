@@ -1,0 +1,476 @@
+"""StarPO / StarPO-S training (paper sections 2-4): multi-turn rollouts -> variance filter -> PPO/GRPO update.
+
+    python train.py --env sokoban --algo grpo --filter 0.25            # StarPO-S with GRPO, tiny policy, CPU
+    python train.py --preset starpo --env sokoban                      # the StarPO baseline (no filter, KL, 0.2/0.2)
+    python train.py --env sokoban --algo ppo --model Qwen/Qwen2.5-0.5B-Instruct --steps 200   # the paper, 1 GPU
+    python train.py --plot runs/a runs/b                               # Echo Trap signals of several runs, one PNG
+
+One loop, top to bottom: sample P prompts (fresh training seeds, never eval seeds) x N rollouts -> keep the
+prompt groups with the largest in-group reward std (StarPO-S, section 4.2) -> old log-probs, reference
+log-probs (KL is always measured), values and advantages (GRPO: group-normalised; PPO: GAE with the critic)
+-> `online_k` updates on the batch -> one JSONL line + one printed line -> periodic eval and checkpoint.
+
+The Echo Trap monitor (section 4.1) watches the paper's four signals: it warns when the in-group reward std
+stays below 0.1x its early level for 10 iterations, when the grad norm jumps above 5x its running median, and
+when entropy swings by more than half its running median; `--stop-on-collapse` ends the run there, cleanly.
+
+Deviations from the paper / RAGEN (deliberate):
+1. All randomness of iteration i (training seeds, sampling, mini-batch order) is derived from (seed, i), so
+   `--resume` reproduces an uninterrupted run exactly without saving generator states.
+2. Defaults for `--model tiny` (steps, learning rates, eval prompts) are chosen so that the main command
+   finishes in about 20 minutes on a 2-core CPU; the paper's values are the `--model Qwen/...` defaults and
+   are printed in the README's GPU command.
+3. With the filter on, the old log-probs, values and reference log-probs are computed only for the kept
+   groups (the dropped ones never enter the update, so computing them would be wasted work).
+4. A batch whose groups all have zero reward std is logged (`train/skipped_zero_std` = 1) and its update is
+   skipped: GRPO advantages would all be 0 and the step would be a silent no-op (guide rule 7).
+5. The reference policy for KL is the initial policy, kept in memory (as verl's ref model).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import cli
+from advantages import broadcast_to_tokens, gae, grpo_advantages, place_reward_on_last_token, whiten
+from envs import ENVS, train_seeds
+from eval import evaluate
+from filter import select_groups
+from rollout import RolloutConfig, dump, rollout
+from starpo import Batch, UpdateConfig, make_optimizer, token_logprobs, update
+
+PRESETS = {  # the paper's two recipes (section 4.2, Appendix C.2/D); flags typed explicitly win
+    "starpo": dict(filter=1.0, kl_coef=0.001, clip_low=0.2, clip_high=0.2),
+    "starpo-s": dict(filter=0.25, kl_coef=0.0, clip_low=0.2, clip_high=0.28),
+}
+# Per-model defaults for fields left at None. Qwen: the paper's (Appendix C.2). tiny: what trains on a CPU.
+MODEL_DEFAULTS = {
+    "tiny": dict(lr=1e-4, critic_lr=1e-3, steps=60, eval_prompts=128),
+    "hf": dict(lr=1e-6, critic_lr=1e-5, steps=200, eval_prompts=256),
+}
+
+
+@dataclass
+class Config:
+    env: str = cli.flag("sokoban", "environment", choices=sorted(ENVS))
+    algo: str = cli.flag("grpo", "advantage estimator: grpo (group-normalised) or ppo (critic + GAE)",
+                         choices=["grpo", "ppo"])
+    preset: str | None = cli.flag(None, "the paper's recipes: starpo or starpo-s (explicit flags override)",
+                                  choices=sorted(PRESETS))
+    filter: float = cli.flag(0.25, "fraction of prompt groups kept by in-group reward std (1.0 = off)")
+    filter_smallest: bool = cli.flag(False, "keep the LOWEST-variance groups instead (the paper's ablation)")
+    kl_coef: float = cli.flag(0.0, "KL-to-initial-policy loss coefficient (0 = KL removal; KL is still measured)")
+    kl_kind: str = cli.flag("k3", "KL estimator: k1 or k3 (low-variance)", choices=["k1", "k3"])
+    clip_low: float = cli.flag(0.2, "PPO clip eps_low")
+    clip_high: float = cli.flag(0.28, "PPO clip eps_high (Clip-Higher; StarPO: 0.2)")
+    entropy_coef: float = cli.flag(0.001, "entropy bonus coefficient")
+    prompts: int = cli.flag(8, "P: prompts (initial states) per iteration")
+    rollouts: int = cli.flag(16, "N: rollouts per prompt (a group)")
+    max_turns: int = cli.flag(5, "turns per episode")
+    max_actions_per_turn: int = cli.flag(5, "actions per turn")
+    max_actions: int = cli.flag(10, "actions per episode")
+    max_new_tokens: int = cli.flag(100, "token budget per reply")
+    format_penalty: float = cli.flag(-0.1, "reward of a turn without a valid answer")
+    gamma: float = cli.flag(1.0, "GAE discount (PPO)")
+    lam: float = cli.flag(1.0, "GAE lambda (PPO)")
+    grpo_std_norm: bool = cli.flag(True, "GRPO divides by the group std (off: Dr.GRPO's mean-only)")
+    mini_batch: int = cli.flag(32, "training sequences per optimizer step")
+    micro_batch: int = cli.flag(4, "training sequences per forward/backward (gradient accumulation)")
+    online_k: int = cli.flag(1, "updates per rollout batch (paper Figure 7: Online-k)")
+    temperature: float = cli.flag(1.0, "rollout sampling temperature")
+    think: bool = cli.flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
+    context_turns: int = cli.flag(0, "history window: 0 = whole conversation (paper), K = last K turns")
+    steps: int | None = cli.flag(None, "training iterations (default: tiny 60, hub models 200)")
+    eval_every: int = cli.flag(10, "evaluate every this many iterations (0 = only at the end)")
+    eval_prompts: int | None = cli.flag(None, "eval prompts, <= 256 (default: tiny 128, hub models 256)")
+    eval_temperature: float = cli.flag(0.5, "eval sampling temperature (paper: 0.5)")
+    save_every: int = cli.flag(10, "checkpoint every this many iterations")
+    dump_trajectories: int = cli.flag(3, "trajectories written as text at each eval")
+    stop_on_collapse: bool = cli.flag(False, "end the run cleanly when the Echo Trap monitor fires")
+    seed: int = cli.flag(0, "seed of everything (training seeds, sampling, mini-batch order)")
+    out: str | None = cli.flag(None, "run folder (default: runs/ENV-ALGO-sSEED)")
+    resume: str | None = cli.flag(None, "continue the run in this folder from its last checkpoint")
+    model: str = cli.flag("tiny", "tiny (embedded, offline), a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or a folder")
+    lr: float | None = cli.flag(None, "policy learning rate (default: tiny 1e-4, hub models 1e-6)")
+    critic_lr: float | None = cli.flag(None, "critic learning rate, PPO (default: tiny 1e-3, hub models 1e-5)")
+    device: str = cli.flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
+    threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)")
+    fused: bool = cli.flag(True, "chunked log-prob/entropy path that never builds [B, T, V] logits")
+    webshop_data: str | None = cli.flag(None, "folder with the original WebShop files (default: shipped catalogue)")
+    plot: list[str] | None = cli.flag(None, "draw the Echo Trap signals of these run folders into one PNG and exit")
+    plot_out: str = cli.flag("echo_trap.png", "where --plot writes its PNG")
+    # derived right after parsing
+    groups_kept: int = field(default=0, metadata={"derived": True})
+
+
+def derive(cfg: Config, explicit: set[str]) -> Config:
+    """Per-model defaults, sizes that follow from the flags, and one-line errors for bad values."""
+    kind = "tiny" if cfg.model == "tiny" else "hf"
+    for k, v in MODEL_DEFAULTS[kind].items():
+        if getattr(cfg, k) is None:
+            setattr(cfg, k, v)
+    checks = [
+        (0 < cfg.filter <= 1, f"--filter {cfg.filter}: must be in (0, 1]"),
+        (cfg.prompts >= 1, f"--prompts {cfg.prompts}: must be >= 1"),
+        (cfg.rollouts >= 2, f"--rollouts {cfg.rollouts}: must be >= 2 (a group needs a spread)"),
+        (cfg.max_turns >= 1 and cfg.max_actions_per_turn >= 1 and cfg.max_actions >= 1,
+         "--max-turns, --max-actions-per-turn and --max-actions must be >= 1"),
+        (cfg.max_new_tokens >= 1, f"--max-new-tokens {cfg.max_new_tokens}: must be >= 1"),
+        (cfg.lr > 0 and cfg.critic_lr > 0, f"--lr {cfg.lr} / --critic-lr {cfg.critic_lr}: must be > 0"),
+        (cfg.kl_coef >= 0, f"--kl-coef {cfg.kl_coef}: must be >= 0"),
+        (cfg.entropy_coef >= 0, f"--entropy-coef {cfg.entropy_coef}: must be >= 0"),
+        (0 <= cfg.clip_low < 1 and cfg.clip_high >= 0, f"--clip-low {cfg.clip_low} / --clip-high {cfg.clip_high}: "
+                                                        "need 0 <= clip-low < 1 and clip-high >= 0"),
+        (0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1, f"--gamma {cfg.gamma} / --lam {cfg.lam}: must be in [0, 1]"),
+        (cfg.mini_batch >= 1 and cfg.micro_batch >= 1, "--mini-batch and --micro-batch must be >= 1"),
+        (cfg.online_k >= 1, f"--online-k {cfg.online_k}: must be >= 1"),
+        (cfg.temperature > 0, f"--temperature {cfg.temperature}: must be > 0"),
+        (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0"),
+        (cfg.context_turns >= 0, f"--context-turns {cfg.context_turns}: must be >= 0"),
+        (cfg.steps >= 1, f"--steps {cfg.steps}: must be >= 1"),
+        (cfg.eval_every >= 0 and cfg.save_every >= 1, "--eval-every must be >= 0 and --save-every >= 1"),
+        (1 <= cfg.eval_prompts <= 256, f"--eval-prompts {cfg.eval_prompts}: must be in 1..256"),
+        (cfg.seed >= 0, f"--seed {cfg.seed}: must be >= 0"),
+        (cfg.threads >= 1, f"--threads {cfg.threads}: must be >= 1"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
+    cfg.groups_kept = max(1, int(cfg.filter * cfg.prompts))
+    cfg.out = cfg.out or f"runs/{cfg.env}-{cfg.algo}-s{cfg.seed}"
+    return cfg
+
+
+def rollout_config(cfg: Config, temperature: float) -> RolloutConfig:
+    return RolloutConfig(max_turns=cfg.max_turns, max_actions_per_turn=cfg.max_actions_per_turn,
+                         max_actions=cfg.max_actions, format_penalty=cfg.format_penalty, think=cfg.think,
+                         context_turns=cfg.context_turns, max_new_tokens=cfg.max_new_tokens,
+                         temperature=temperature)
+
+
+# ------------------------------------------------------------------------------------------- the batch
+
+def collate(trajs, advantages_per_traj, pad_id: int):
+    """Training rows from kept trajectories: one row per segment; -> input_ids, attention_mask, loss_mask
+    [B, T], each row's trajectory reward [B] and trajectory advantage [B] (GRPO; zeros for PPO)."""
+    from policy import pad_segments
+    segs, scores, advs = [], [], []
+    for t, a in zip(trajs, advantages_per_traj):
+        for s in t.segments:
+            segs.append(s)
+            scores.append(t.reward)
+            advs.append(a)
+    ids, attn, mask = pad_segments(segs, pad_id)
+    return ids, attn, mask, torch.tensor(scores), torch.tensor(advs, dtype=torch.float)
+
+
+@torch.no_grad()
+def per_token(fn, ids, attn, micro: int):
+    """Apply fn(ids, attn) -> [b, T] over micro-batches (no grad); -> [B, T]."""
+    return torch.cat([fn(ids[i:i + micro], attn[i:i + micro]) for i in range(0, len(ids), micro)])
+
+
+# ------------------------------------------------------------------------------------------- Echo Trap
+
+@dataclass
+class EchoMonitor:
+    """The paper's early-warning signals (section 4.1): reward std collapse, grad-norm spikes, entropy swings."""
+    std_history: list = field(default_factory=list)
+    grad_history: list = field(default_factory=list)
+    ent_history: list = field(default_factory=list)
+    low_std_run: int = 0
+
+
+def echo_check(mon: EchoMonitor, m: dict, baseline_iters: int = 5, std_ratio: float = 0.1, patience: int = 10,
+               grad_factor: float = 5.0, ent_swing: float = 0.5, window: int = 20) -> list[str]:
+    """Update the monitor with one iteration's metrics; -> warnings (empty when all is well)."""
+    warnings = []
+    std = m.get("rollout/in_group_std")
+    if std is not None:
+        mon.std_history.append(std)
+        if len(mon.std_history) > baseline_iters:
+            base = statistics.fmean(mon.std_history[:baseline_iters])
+            mon.low_std_run = mon.low_std_run + 1 if std < std_ratio * base else 0
+            if mon.low_std_run >= patience:
+                warnings.append(f"reward std {std:.4f} < {std_ratio}x its early level {base:.4f} "
+                                f"for {mon.low_std_run} iterations")
+    g = m.get("train/grad_norm")
+    if g is not None and math.isfinite(g):
+        past = mon.grad_history[-window:]
+        if len(past) >= 5 and g > grad_factor * statistics.median(past):
+            warnings.append(f"grad norm {g:.3g} > {grad_factor}x its running median {statistics.median(past):.3g}")
+        mon.grad_history.append(g)
+    e = m.get("train/entropy")
+    if e is not None and math.isfinite(e):
+        past = mon.ent_history[-window:]
+        if len(past) >= 5:
+            med = statistics.median(past)
+            if abs(e - med) > ent_swing * med:
+                warnings.append(f"entropy {e:.3g} swung by more than {ent_swing:.0%} from its running median "
+                                f"{med:.3g}")
+        mon.ent_history.append(e)
+    return warnings
+
+
+# ------------------------------------------------------------------------------------------- checkpoints
+
+def save_checkpoint(out: Path, step: int, policy, tok, critic, opt, critic_opt, monitor, cfg: Config):
+    """Write ckpt-STEP/ completely, then point `latest` at it atomically (temp file + rename)."""
+    final = out / f"ckpt-{step:06d}"
+    tmp = out / f".tmp-ckpt-{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    policy.save_pretrained(tmp / "policy")
+    tok.save_pretrained(tmp / "policy")
+    state = {"step": step, "opt": opt.state_dict(), "monitor": asdict(monitor)}
+    if critic is not None:
+        critic.save_pretrained(str(tmp / "critic"))
+        state["critic_opt"] = critic_opt.state_dict()
+    torch.save(state, tmp / "state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    pointer = out / ".latest.tmp"
+    pointer.write_text(final.name)
+    os.replace(pointer, out / "latest")
+    for old in out.glob("ckpt-*"):  # keep the newest two
+        if old.name not in (final.name, f"ckpt-{step - cfg.save_every:06d}"):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def save_final(out: Path, policy, tok, cfg: Config):
+    """A plain save_pretrained folder (+ train_config.json so eval.py renders prompts the same way)."""
+    final = out / "final"
+    policy.save_pretrained(final)
+    tok.save_pretrained(final)
+    (final / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+
+
+# ------------------------------------------------------------------------------------------- plots
+
+PLOT_KEYS = [("rollout/reward_mean", "average reward"), ("rollout/in_group_std", "in-group reward std"),
+             ("train/grad_norm", "grad norm"), ("train/entropy", "entropy"),
+             ("eval/success", "eval success (95% CI)")]
+
+
+def plot_runs(run_dirs: list[str], out_png: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(PLOT_KEYS), figsize=(4 * len(PLOT_KEYS), 3.4))
+    for run in run_dirs:
+        path = Path(run) / "metrics.jsonl"
+        if not path.exists():
+            raise ValueError(f"--plot {run}: no metrics.jsonl in it (is it a run folder?)")
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        cfg_path = Path(run) / "config.json"
+        label = Path(run).name
+        if cfg_path.exists():
+            c = json.loads(cfg_path.read_text())
+            label = f"{label} ({c['algo']}, filter {c['filter']}, kl {c['kl_coef']}, clip {c['clip_high']})"
+        for ax, (key, title) in zip(axes, PLOT_KEYS):
+            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if not pts:
+                continue
+            xs, ys = zip(*pts)
+            line, = ax.plot(xs, ys, label=label, marker="o" if key.startswith("eval") else None, ms=3)
+            if key == "eval/success":
+                lo = [r["eval/success_lo"] for r in rows if r.get(key) is not None]
+                hi = [r["eval/success_hi"] for r in rows if r.get(key) is not None]
+                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
+            ax.set_title(title)
+            ax.set_xlabel("iteration")
+    axes[0].legend(fontsize=7, loc="best")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    return out_png
+
+
+# ------------------------------------------------------------------------------------------- main
+
+def main(argv=None):
+    # ---- config
+    try:
+        cfg, explicit = cli.parse(Config, argv, description=__doc__.split("\n")[0], presets=PRESETS)
+        if cfg.plot:
+            print(plot_runs(cfg.plot, cfg.plot_out))
+            return None
+        if cfg.resume:  # the run's own config, with only --steps/--out allowed to change
+            saved = json.loads((Path(cfg.resume) / "config.json").read_text())
+            steps = cfg.steps if "steps" in explicit else saved["steps"]
+            cfg = Config(**{**saved, "resume": cfg.resume, "steps": steps, "out": cfg.resume})
+        cfg = derive(cfg, explicit)
+    except (ValueError, FileNotFoundError) as e:
+        cli.fail(str(e))
+    from policy import Critic, autocast_dtype, load_critic, load_policy, pick_device, set_cpu_threads
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    print("config:", json.dumps(asdict(cfg)))
+
+    # ---- model, reference, critic, optimizers
+    try:
+        device = pick_device(cfg.device)
+        set_cpu_threads(device, cfg.threads)
+        policy, tok, path = load_policy(cfg.model, device)
+        env_overrides = {"data_dir": cfg.webshop_data} if (cfg.webshop_data and cfg.env == "webshop") else {}
+        ENVS[cfg.env](**env_overrides)  # fail now, not mid-run, on a bad env override
+    except ValueError as e:
+        cli.fail(str(e))
+    amp = autocast_dtype(device)
+    ref = copy.deepcopy(policy).eval().requires_grad_(False)  # the initial policy: KL anchor and monitor
+    critic = load_critic(path, device) if cfg.algo == "ppo" else None
+    opt = make_optimizer(policy, cfg.lr)
+    critic_opt = make_optimizer(critic, cfg.critic_lr) if critic is not None else None
+    ucfg = UpdateConfig(mini_batch=cfg.mini_batch, micro_batch=cfg.micro_batch, clip_low=cfg.clip_low,
+                        clip_high=cfg.clip_high, entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef,
+                        kl_kind=cfg.kl_kind, temperature=cfg.temperature, fused=cfg.fused)
+    train_rcfg, eval_rcfg = rollout_config(cfg, cfg.temperature), rollout_config(cfg, cfg.eval_temperature)
+    monitor, start = EchoMonitor(), 0
+
+    # ---- resume
+    metrics_path = out / "metrics.jsonl"
+    if cfg.resume and (out / "latest").exists():
+        ck = out / (out / "latest").read_text().strip()
+        state = torch.load(ck / "state.pt", map_location=device, weights_only=False)
+        policy.load_state_dict(load_policy(str(ck / "policy"), device, progress=False)[0].state_dict())
+        opt.load_state_dict(state["opt"])
+        if critic is not None:
+            critic.load_state_dict(load_critic(str(ck / "critic"), device).state_dict())
+            critic_opt.load_state_dict(state["critic_opt"])
+        monitor, start = EchoMonitor(**state["monitor"]), state["step"]
+        kept = [l for l in metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= start]
+        metrics_path.write_text("".join(l + "\n" for l in kept))  # drop lines after the checkpoint
+        print(f"resumed from {ck} at iteration {start}")
+    elif not cfg.resume:
+        metrics_path.write_text("")
+
+    # ---- the loop
+    from tqdm import tqdm
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="StarPO", dynamic_ncols=True)
+    stop_reason = None
+    for it in bar:
+        t0 = time.time()
+        m: dict = {"step": it + 1}
+        gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + it)
+
+        # 1. rollouts: P prompts x N rollouts, every rollout of a prompt shares its initial state (a group)
+        seeds = train_seeds(np.random.default_rng([cfg.seed, it]), cfg.prompts)
+        policy.eval()
+        trajs = rollout(cfg.env, [s for s in seeds for _ in range(cfg.rollouts)],
+                        [g for g in range(cfg.prompts) for _ in range(cfg.rollouts)], train_rcfg, tokenizer=tok,
+                        model=policy, generator=gen, samples=[k for _ in seeds for k in range(cfg.rollouts)],
+                        env_overrides=env_overrides)
+        rewards = torch.tensor([t.reward for t in trajs]).view(cfg.prompts, cfg.rollouts)  # [G, N]
+        turns = [x for t in trajs for x in t.turns]
+        acts = sum(t.num_actions for t in trajs)
+        m.update({"rollout/reward_mean": rewards.mean().item(), "rollout/reward_std": rewards.std().item(),
+                  "rollout/success": sum(t.success for t in trajs) / len(trajs),
+                  "rollout/num_actions": acts / len(trajs),
+                  "rollout/valid_action": sum(t.valid_actions for t in trajs) / max(1, acts),
+                  "rollout/effective_action": sum(t.effective_actions for t in trajs) / max(1, acts),
+                  "rollout/format": sum(x.parsed for x in turns) / len(turns),
+                  "rollout/turns": len(turns) / len(trajs),
+                  "rollout/response_length": sum(x.response_tokens for x in turns) / len(turns),
+                  "time/rollout": time.time() - t0})
+
+        # 2. StarPO-S uncertainty filter: whole groups in or out by in-group reward std
+        keep, fstats = select_groups(rewards, keep=cfg.filter, largest=not cfg.filter_smallest)
+        m.update({f"rollout/{k}": fstats[k] for k in ("in_group_std", "in_group_std_max", "chosen_in_group_std",
+                                                      "filter_kept", "zero_std_groups")})
+        kept = [t for t in trajs if keep[t.group_id]]
+        m["train/skipped_zero_std"] = float(fstats["all_zero_std"])
+
+        # 3. old log-probs, reference log-probs, values, advantages (no grad)
+        t1 = time.time()
+        if not fstats["all_zero_std"]:
+            scores = torch.tensor([t.reward for t in kept])
+            if cfg.algo == "grpo":
+                adv_traj = grpo_advantages(scores, [t.group_id for t in kept], norm_by_std=cfg.grpo_std_norm)
+            else:
+                adv_traj = torch.zeros(len(kept))
+            ids, attn, mask, row_scores, row_adv = collate(kept, adv_traj.tolist(), tok.pad_token_id)
+            ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                lp = lambda model: (lambda i, a: token_logprobs(model, i, a, cfg.temperature, cfg.fused)[0].float())
+                old_logp = per_token(lp(policy), ids, attn, cfg.micro_batch)          # [B, T]
+                ref_logp = per_token(lp(ref), ids, attn, cfg.micro_batch)             # [B, T]
+                values = per_token(lambda i, a: critic(i, a).float(), ids, attn, cfg.micro_batch) \
+                    if critic is not None else None
+            if cfg.algo == "grpo":
+                adv, returns = broadcast_to_tokens(row_adv.to(device), mask), None
+            else:  # the trajectory reward on each row's last sampled token; GAE over the sampled tokens
+                token_rewards = place_reward_on_last_token(row_scores.to(device), mask)
+                adv, returns = gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
+                adv = whiten(adv, mask)
+            batch = Batch(input_ids=ids, attention_mask=attn, loss_mask=mask, old_logp=old_logp,
+                          advantages=adv, ref_logp=ref_logp, returns=returns, old_values=values)
+            m["time/prep"] = time.time() - t1
+
+            # 4. update: online_k passes over the batch (paper Figure 7)
+            t2 = time.time()
+            policy.train()
+            if critic is not None:
+                critic.train()
+            for k in range(cfg.online_k):
+                shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it * 101 + k)
+                um = update(policy, opt, batch, ucfg, critic=critic, critic_optimizer=critic_opt,
+                            generator=shuffle, autocast_dtype=amp)
+            m.update(um)
+            m["train/rows"] = len(batch)
+            m["time/update"] = time.time() - t2
+        else:
+            tqdm.write(f"[iter {it + 1}] every group has zero reward std: update skipped (logged)")
+
+        # 5. Echo Trap monitor, eval, checkpoint, log
+        warnings = echo_check(monitor, m)
+        m["echo/warnings"] = len(warnings)
+        for w in warnings:
+            tqdm.write(f"[iter {it + 1}] ECHO TRAP WARNING: {w}")
+        if cfg.stop_on_collapse and warnings:
+            stop_reason = warnings[0]
+        last = it + 1 == cfg.steps or stop_reason is not None
+        if (cfg.eval_every and (it + 1) % cfg.eval_every == 0) or last:
+            t3 = time.time()
+            em, etrajs = evaluate(cfg.env, eval_rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
+                                  env_overrides=env_overrides)
+            m.update({f"eval/{k}": v for k, v in em.items() if k != "episodes"})
+            m["time/eval"] = time.time() - t3
+            with open(out / f"trajectories-{it + 1:06d}.txt", "w") as f:
+                f.write("".join(dump(t, tok) + "\n" for t in etrajs[:cfg.dump_trajectories]))
+        m["time/iteration"] = time.time() - t0
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(m) + "\n")
+        if (it + 1) % cfg.save_every == 0 or last:
+            save_checkpoint(out, it + 1, policy, tok, critic, opt, critic_opt, monitor, cfg)
+        tqdm.write(line(m))
+        if stop_reason:
+            tqdm.write(f"stopping on collapse (--stop-on-collapse): {stop_reason}")
+            break
+    bar.close()
+    save_final(out, policy, tok, cfg)
+    print(f"final policy: {out / 'final'}")
+    return out
+
+
+def line(m: dict) -> str:
+    """The one printed line per iteration."""
+    keys = [("reward", "rollout/reward_mean"), ("succ", "rollout/success"), ("std", "rollout/in_group_std"),
+            ("kept_std", "rollout/chosen_in_group_std"), ("fmt", "rollout/format"), ("ent", "train/entropy"),
+            ("gnorm", "train/grad_norm"), ("kl0", "train/kl_to_init"), ("clip", "train/pg_clipfrac"),
+            ("eval", "eval/success"), ("s", "time/iteration")]
+    parts = [f"it {m['step']}"] + [f"{n} {m[k]:.3g}" for n, k in keys if m.get(k) is not None]
+    return " | ".join(parts)
+
+
+if __name__ == "__main__":
+    main()
