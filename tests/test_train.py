@@ -1,0 +1,166 @@
+"""train.py and eval.py end to end: smoke runs, resume equivalence, flag errors, JSONL keys, plots, monitor.
+
+    python -m pytest -q tests/test_train.py
+
+Subprocess runs use a small tiny-policy build (2 layers, hidden 64, bandit only, seconds to build) passed as
+--model, in --no-think mode (where such a small warm-up already answers well enough to give rewards a spread),
+with budgets of a few iterations, so the whole file takes well under a minute on one core.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import train  # noqa: E402
+from eval import wilson  # noqa: E402
+
+KEYS = ["rollout/reward_mean", "rollout/success", "rollout/in_group_std", "rollout/chosen_in_group_std",
+        "rollout/filter_kept", "rollout/zero_std_groups", "rollout/response_length", "rollout/valid_action",
+        "rollout/effective_action", "train/entropy", "train/grad_norm", "train/kl_to_init", "train/pg_clipfrac",
+        "train/skipped_nonfinite", "time/rollout", "time/iteration"]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    import torch
+    torch.set_num_threads(1)
+    from policy import ensure_tiny
+    return ensure_tiny(str(tmp_path_factory.mktemp("tiny")), progress=False,
+                       warmup=dict(steps=60, episodes_per_env=64),
+                       model_cfg=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2),
+                       envs=["bandit"])
+
+
+def run(args, cwd, check=True):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    p = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
+    if check and p.returncode != 0:
+        raise AssertionError(f"{args} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+    return p
+
+
+def read_jsonl(path):
+    return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
+
+
+def test_train_smoke_writes_metrics_dumps_checkpoint_and_final(small, tmp_path):
+    out = tmp_path / "run"
+    run([str(ROOT / "train.py"), "--env", "bandit", "--no-think", "--model", small, "--lr", "1e-3", "--steps", "2",
+         "--prompts", "8", "--rollouts", "4", "--filter", "0.5", "--eval-every", "2", "--eval-prompts", "8",
+         "--out", str(out)], tmp_path)
+    rows = read_jsonl(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    trained = [r for r in rows if r["train/skipped_zero_std"] == 0]
+    assert trained, "the small policy should give some reward spread on bandit"
+    for k in KEYS:
+        assert k in trained[0], k
+    assert "eval/success" in rows[-1] and 0 <= rows[-1]["eval/success_lo"] <= rows[-1]["eval/success_hi"] <= 1
+    assert (out / "trajectories-000002.txt").read_text().startswith("=== env=bandit")
+    assert (out / "latest").read_text().strip() == "ckpt-000002"
+    final = out / "final"
+    assert (final / "config.json").exists() and (final / "train_config.json").exists()
+    # eval.py loads the final policy with the run's own rollout settings
+    p = run([str(ROOT / "eval.py"), "--env", "bandit", "--policy", str(final), "--prompts", "8",
+             "--json", str(tmp_path / "e.json")], tmp_path)
+    assert "| bandit |" in p.stdout
+    assert json.loads((tmp_path / "e.json").read_text())["rollout"]["max_turns"] == 5
+
+
+def test_resume_reproduces_an_uninterrupted_run(small, tmp_path):
+    common = [str(ROOT / "train.py"), "--env", "bandit", "--no-think", "--algo", "ppo", "--model", small, "--lr", "1e-3",
+              "--critic-lr", "1e-3", "--prompts", "8", "--rollouts", "4", "--filter", "0.5", "--eval-every", "0",
+              "--eval-prompts", "4", "--save-every", "2"]
+    run(common + ["--steps", "4", "--out", str(tmp_path / "a")], tmp_path)
+    run(common + ["--steps", "2", "--out", str(tmp_path / "b")], tmp_path)
+    p = run([str(ROOT / "train.py"), "--resume", str(tmp_path / "b"), "--steps", "4"], tmp_path)
+    assert "resumed from" in p.stdout
+    a, b = read_jsonl(tmp_path / "a" / "metrics.jsonl"), read_jsonl(tmp_path / "b" / "metrics.jsonl")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert any("train/value_loss" in r for r in a), "PPO must train its critic at least once"
+    for ra, rb in zip(a, b):
+        for k, v in ra.items():
+            if not k.startswith("time/"):
+                assert rb[k] == pytest.approx(v, rel=1e-6, abs=1e-9), (ra["step"], k)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--filter", "1.5"], "--filter 1.5"),
+    (["--algo", "dpo"], "--algo"),
+    (["--lr", "-1"], "--lr -1.0"),
+    (["--eval-prompts", "300"], "--eval-prompts 300"),
+    (["--model", "/nonexistent/folder"], "--model '/nonexistent/folder'"),
+])
+def test_bad_flag_values_give_one_error_line(args, needle, tmp_path):
+    p = run([str(ROOT / "train.py"), *args, "--out", str(tmp_path / "x")], tmp_path, check=False)
+    assert p.returncode == 2
+    err = [l for l in p.stderr.splitlines() if l.strip()]
+    assert "Traceback" not in p.stderr
+    assert needle in err[-1], p.stderr
+
+
+def test_eval_scripted_floor_and_ceiling_and_table(tmp_path):
+    p = run([str(ROOT / "eval.py"), "--envs", "sokoban,frozenlake", "--policy", "expert", "--prompts", "32",
+             "--json", str(tmp_path / "x.json")], tmp_path)
+    res = json.loads((tmp_path / "x.json").read_text())["results"]
+    assert res["sokoban"]["success"] >= 0.95 and res["sokoban"]["valid_action"] == 1.0
+    assert "| sokoban |" in p.stdout and "| frozenlake |" in p.stdout
+    r = run([str(ROOT / "eval.py"), "--env", "sokoban", "--policy", "random", "--prompts", "32", "--json",
+             str(tmp_path / "r.json")], tmp_path)
+    assert json.loads((tmp_path / "r.json").read_text())["results"]["sokoban"]["success"] < 0.5
+    bad = run([str(ROOT / "eval.py"), "--envs", "sokoban,chess"], tmp_path, check=False)
+    assert bad.returncode == 2 and "chess" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_presets_and_explicit_flags():
+    import cli
+    cfg, explicit = cli.parse(train.Config, ["--preset", "starpo"], presets=train.PRESETS)
+    assert (cfg.filter, cfg.kl_coef, cfg.clip_high) == (1.0, 0.001, 0.2)
+    cfg, _ = cli.parse(train.Config, ["--preset", "starpo", "--clip-high", "0.3"], presets=train.PRESETS)
+    assert cfg.clip_high == 0.3 and cfg.filter == 1.0
+    cfg = train.derive(cli.parse(train.Config, [], presets=train.PRESETS)[0], set())
+    assert (cfg.filter, cfg.kl_coef, cfg.clip_low, cfg.clip_high, cfg.groups_kept) == (0.25, 0.0, 0.2, 0.28, 2)
+    assert cfg.lr == train.MODEL_DEFAULTS["tiny"]["lr"]
+    cfg = train.derive(cli.parse(train.Config, ["--model", "Qwen/Qwen2.5-0.5B-Instruct"])[0], set())
+    assert (cfg.lr, cfg.critic_lr) == (1e-6, 1e-5)
+
+
+def test_plot_writes_png(small, tmp_path):
+    for name, std in (("a", 0.5), ("b", 0.05)):
+        d = tmp_path / name
+        d.mkdir()
+        rows = [{"step": i, "rollout/reward_mean": 0.1 * i, "rollout/in_group_std": std, "train/grad_norm": 1.0,
+                 "train/entropy": 2.0, **({"eval/success": 0.2, "eval/success_lo": 0.1, "eval/success_hi": 0.3}
+                                          if i % 2 == 0 else {})} for i in range(1, 7)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    png = tmp_path / "p.png"
+    run([str(ROOT / "train.py"), "--plot", str(tmp_path / "a"), str(tmp_path / "b"), "--plot-out", str(png)],
+        tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_echo_monitor_fires_on_each_signal():
+    mon = train.EchoMonitor()
+    quiet = {"rollout/in_group_std": 1.0, "train/grad_norm": 1.0, "train/entropy": 2.0}
+    for _ in range(6):
+        assert train.echo_check(mon, dict(quiet)) == []
+    fired = [train.echo_check(mon, {**quiet, "rollout/in_group_std": 0.01}) for _ in range(10)]
+    assert fired[-1] and "reward std" in fired[-1][0] and not any(fired[:9])
+    mon = train.EchoMonitor()
+    for _ in range(6):
+        train.echo_check(mon, dict(quiet))
+    w = train.echo_check(mon, {**quiet, "train/grad_norm": 50.0, "train/entropy": 4.0})
+    assert any("grad norm" in x for x in w) and any("entropy" in x for x in w)
+
+
+def test_wilson_interval():
+    lo, hi = wilson(0, 256)
+    assert lo == 0 and 0 < hi < 0.02
+    lo, hi = wilson(128, 256)
+    assert lo < 0.5 < hi and hi - lo == pytest.approx(2 * 1.96 * math.sqrt(0.25 / 256), rel=0.02)
