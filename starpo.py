@@ -40,6 +40,10 @@ Deliberate deviations from the paper / RAGEN (verl core_algos):
    kl_coef = 0 (StarPO-S tracks KL post-hoc, Appendix C.2). Without ref_logp both KL keys are absent.
 7. `update` leaves the modules' train/eval mode to the caller (old_logp must come from the same mode for the
    first ratio to be exactly 1; Qwen2 has no dropout, so the two agree anyway).
+8. Data parallel (`update(..., shard=(rank, world))`, driven by train.py under torchrun): each rank trains rows
+   rank, rank + world, ... of every mini-batch, so the micro-batches group other rows than a single process
+   would; the gradient and the metrics are the same up to float summation order. A rank short of rows runs a
+   zero-weight micro-batch (an all-zero loss mask) so that every rank all-reduces equally often.
 """
 
 from __future__ import annotations
@@ -354,8 +358,14 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) from the logits at t - 1; entropy[:, t] is the
     entropy of that distribution; column 0 is 0 for both. `fused=True`: final hidden states from
     `model.base_model` and the head from `model.get_output_embeddings()` through `fused_logprobs_entropy`.
-    `fused=False`: the reference, full logits from `model(...).logits`.
+    `fused=False`: the reference, full logits from `model(...).logits`. `model` may also be a TokenLogprobs
+    module, or DistributedDataParallel around one (data-parallel training, see TokenLogprobs).
     """
+    if isinstance(model, TokenLogprobs) or isinstance(getattr(model, "module", None), TokenLogprobs):
+        return model(input_ids, attention_mask, temperature, fused, chunk_size)  # through DDP's forward
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError("token_logprobs got DistributedDataParallel(model): wrap TokenLogprobs(model) instead, "
+                         "or its gradients are never all-reduced (see TokenLogprobs)")
     if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
         raise ValueError(f"input_ids and attention_mask must both be [B, T], got {tuple(input_ids.shape)} "
                          f"and {tuple(attention_mask.shape)}")
@@ -377,6 +387,25 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     logp = F.pad(logp.view(B, T - 1), (1, 0))  # [B, T], column 0 = 0
     entropy = F.pad(entropy.view(B, T - 1), (1, 0))
     return logp, entropy
+
+
+class TokenLogprobs(torch.nn.Module):
+    """`token_logprobs(model, ...)` as a module's forward, the thing to wrap in DistributedDataParallel.
+
+    DDP all-reduces gradients only for work done inside its own forward (that call arms its reducer for the
+    next backward). The fused path reaches past the model's forward, to `model.base_model` and
+    `model.get_output_embeddings()`: on DDP(model) that is an AttributeError, and on DDP(model).module it runs
+    outside DDP, so every rank would silently keep its own gradient. DDP(TokenLogprobs(model)) puts the whole
+    fused path (backbone and LM head) inside DDP's forward; parameters stay the model's own tensors.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, temperature: float = 1.0, fused: bool = True,
+                chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs(self.model, input_ids, attention_mask, temperature, fused, chunk_size)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -467,10 +496,32 @@ def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float = 0.0
                              weight_decay=weight_decay)
 
 
+PER_STEP = ("pg_loss", "grad_norm", "kl_loss", "value_loss", "critic_grad_norm")  # update's per-step metrics
+
+
+def micro_batches(n: int, micro: int, rank: int = 0, world: int = 1) -> list[list[int]]:
+    """Row indices of an n-row mini-batch that `rank` trains, micro-batch by micro-batch: rows rank,
+    rank + world, ... in groups of `micro`. Every rank gets the same number of micro-batches,
+    ceil(ceil(n / world) / micro); a rank with fewer rows gets empty lists at the end (`update` runs a
+    zero-weight micro-batch there). world = 1: consecutive slices, as a single process accumulates."""
+    mine = list(range(rank, n, world))
+    return [mine[j * micro:(j + 1) * micro] for j in range(math.ceil(math.ceil(n / world) / micro))]
+
+
+def no_sync(*modules) -> contextlib.ExitStack:
+    """Enter `no_sync()` of every DistributedDataParallel among `modules` (others have none)."""
+    stack = contextlib.ExitStack()
+    for module in modules:
+        if hasattr(module, "no_sync"):
+            stack.enter_context(module.no_sync())
+    return stack
+
+
 def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: UpdateConfig,
            critic: torch.nn.Module | None = None, critic_optimizer: torch.optim.Optimizer | None = None,
            generator: torch.Generator | None = None, autocast_dtype: torch.dtype | None = None,
-           reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, float]:
+           reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
+           shard: tuple[int, int] | None = None) -> dict[str, float]:
     """One pass of PPO/GRPO optimisation over `batch` (section 2.2); returns metrics as floats.
 
     Rows are shuffled with `generator` (a CPU torch.Generator) into mini-batches of cfg.mini_batch rows (the
@@ -478,6 +529,13 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     of cfg.micro_batch rows. Losses are divided by the count (tokens, or rows for seq-mean-*) of the whole
     mini-batch, so accumulation equals one big batch. `reduce_count` maps this process's mini-batch count (a
     0-dim tensor) to the count to divide by, e.g. an all-reduce sum across data-parallel ranks; default: as is.
+
+    Data parallel, `shard=(rank, world)` with world > 1: `batch` and `generator` are the same on every rank (so
+    are the mini-batches), and this rank trains rows rank, rank + world, ... of each mini-batch (see
+    `micro_batches`); `policy` is DistributedDataParallel(TokenLogprobs(model)) and `critic` DDP(critic). The
+    divisor is the whole mini-batch's count / world, because DDP averages the ranks' gradients: the average of
+    the ranks' sums is then the single-process gradient. The ranks agree on skipping a non-finite step, and the
+    returned metrics are all-reduced: the same on every rank and equal to the single-process ones.
 
     Policy loss = pg_loss - entropy_coef * entropy + kl_coef * kl_to_ref. With `critic` (PPO; called as
     critic(input_ids, attention_mask) -> values [B, T]), the clipped value loss trains it with its own optimizer
@@ -493,6 +551,16 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
             raise ValueError("a critic needs a critic_optimizer")
         if batch.returns is None or batch.old_values is None:
             raise ValueError("a critic needs batch.returns and batch.old_values")
+    rank, world = shard if shard is not None else (0, 1)
+    if not 0 <= rank < world:
+        raise ValueError(f"shard must be (rank, world) with 0 <= rank < world, got {shard}")
+    if world > 1 and (generator is None or reduce_count is not None):
+        raise ValueError("with shard, every rank needs the same `generator` (same mini-batches) and no "
+                         "reduce_count (the mini-batch count is already the global one)")
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if world > 1 and not all(isinstance(m, ddp) for m in (policy, critic) if m is not None):
+        raise ValueError("with shard, pass DistributedDataParallel(TokenLogprobs(model)) and DDP(critic): "
+                         "without DDP the ranks' gradients are never averaged")
     device = next(policy.parameters()).device
     batch = batch.to(device)
     autocast = (lambda: torch.autocast(device_type=device.type, dtype=autocast_dtype)) \
@@ -513,47 +581,52 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
         m = mb.loss_mask > 0
         tokens = m.sum().float()
         count = tokens if cfg.agg == "token-mean" else (m.sum(dim=1) > 0).sum().float()
-        denom = (reduce_count(count) if reduce_count is not None else count).clamp(min=1)
-        token_denom = (reduce_count(tokens) if reduce_count is not None else tokens).clamp(min=1)
+        denom = (reduce_count(count) if reduce_count is not None else count).clamp(min=1) / world
+        token_denom = (reduce_count(tokens) if reduce_count is not None else tokens).clamp(min=1) / world
         step = {k: zero() for k in keys}
         finite = torch.ones((), dtype=torch.bool, device=device)
         optimizer.zero_grad(set_to_none=True)
         if critic is not None:
             critic_optimizer.zero_grad(set_to_none=True)
 
-        for s in range(0, len(mb), cfg.micro_batch):
-            mi = mb.select(slice(s, s + cfg.micro_batch))
+        plan = micro_batches(len(mb), cfg.micro_batch, rank, world)
+        for j, rows in enumerate(plan):
+            # a rank out of rows trains row 0 with an all-zero mask: gradient exactly 0, but it joins the
+            # all-reduce (DDP all-reduces at every backward outside no_sync; the ranks must match)
+            mi = mb.select(rows) if rows else dataclasses.replace(mb.select([0]), loss_mask=mb.loss_mask[:1] * 0)
             n_tok = (mi.loss_mask > 0).sum().float()
-            with autocast():
-                logp, ent = token_logprobs(policy, mi.input_ids, mi.attention_mask, cfg.temperature, cfg.fused,
-                                           cfg.chunk_size)
-            pg, pm = policy_loss(logp, mi.old_logp, mi.advantages, mi.loss_mask, cfg.clip_low, cfg.clip_high,
-                                 cfg.agg, cfg.dual_clip, denom=denom)
-            loss = pg - cfg.entropy_coef * aggregate(ent, mi.loss_mask, cfg.agg, denom)
-            if has_ref:
-                kl_tok = kl_penalty(logp, mi.ref_logp, cfg.kl_kind)  # [b, T]
-                kl_term = aggregate(kl_tok, mi.loss_mask, cfg.agg, denom)
-                if cfg.kl_coef != 0.0:
-                    loss = loss + cfg.kl_coef * kl_term
-                step["kl_loss"] += kl_term.detach()
-                step["kl_to_init"] += masked_mean(kl_tok.detach(), mi.loss_mask) * n_tok
-            loss.backward()
-            finite &= torch.isfinite(loss.detach())
-            step["tokens"] += n_tok
-            step["pg_loss"] += pg.detach()
-            step["entropy"] += masked_mean(ent.detach(), mi.loss_mask) * n_tok
-            for k, v in pm.items():
-                step[k] += v * n_tok  # token means back to token sums
-
-            if critic is not None:
+            # gradient accumulation: DDP all-reduces only at the mini-batch's last backward
+            with no_sync(policy, critic) if j < len(plan) - 1 else contextlib.nullcontext():
                 with autocast():
-                    values = critic(mi.input_ids, mi.attention_mask)  # [b, T]
-                vl, vm = value_loss(values, mi.old_values, mi.returns, mi.loss_mask, cfg.value_clip,
-                                    denom=token_denom)
-                vl.backward()
-                finite &= torch.isfinite(vl.detach())
-                step["value_loss"] += vl.detach()
-                step["vf_clipfrac"] += vm["vf_clipfrac"] * n_tok
+                    logp, ent = token_logprobs(policy, mi.input_ids, mi.attention_mask, cfg.temperature, cfg.fused,
+                                               cfg.chunk_size)
+                pg, pm = policy_loss(logp, mi.old_logp, mi.advantages, mi.loss_mask, cfg.clip_low, cfg.clip_high,
+                                     cfg.agg, cfg.dual_clip, denom=denom)
+                loss = pg - cfg.entropy_coef * aggregate(ent, mi.loss_mask, cfg.agg, denom)
+                if has_ref:
+                    kl_tok = kl_penalty(logp, mi.ref_logp, cfg.kl_kind)  # [b, T]
+                    kl_term = aggregate(kl_tok, mi.loss_mask, cfg.agg, denom)
+                    if cfg.kl_coef != 0.0:
+                        loss = loss + cfg.kl_coef * kl_term
+                    step["kl_loss"] += kl_term.detach()
+                    step["kl_to_init"] += masked_mean(kl_tok.detach(), mi.loss_mask) * n_tok
+                loss.backward()
+                finite &= torch.isfinite(loss.detach())
+                step["tokens"] += n_tok
+                step["pg_loss"] += pg.detach()
+                step["entropy"] += masked_mean(ent.detach(), mi.loss_mask) * n_tok
+                for k, v in pm.items():
+                    step[k] += v * n_tok  # token means back to token sums
+
+                if critic is not None:
+                    with autocast():
+                        values = critic(mi.input_ids, mi.attention_mask)  # [b, T]
+                    vl, vm = value_loss(values, mi.old_values, mi.returns, mi.loss_mask, cfg.value_clip,
+                                        denom=token_denom)
+                    vl.backward()
+                    finite &= torch.isfinite(vl.detach())
+                    step["value_loss"] += vl.detach()
+                    step["vf_clipfrac"] += vm["vf_clipfrac"] * n_tok
 
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm)
         finite &= torch.isfinite(grad_norm)
@@ -562,6 +635,9 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
             critic_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
             finite &= torch.isfinite(critic_norm)
             step["critic_grad_norm"] = critic_norm.detach().float()
+        if world > 1:  # every rank must take the same decision, or the replicas drift apart
+            finite = finite.float()
+            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
         if bool(finite):  # the one host sync per optimizer step: whether to step at all
             optimizer.step()
             if critic is not None:
@@ -575,7 +651,12 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
         if critic is not None:
             critic_optimizer.zero_grad(set_to_none=True)
 
-    host = dict(zip(keys, torch.stack([totals[k] for k in keys]).tolist()))  # one sync for all metrics
+    stacked = torch.stack([totals[k] for k in keys])
+    if world > 1:  # token sums add up; per-step sums were each rank's world-scaled share (grad norms: equal)
+        torch.distributed.all_reduce(stacked)
+        per_step = torch.tensor([k in PER_STEP for k in keys], device=device)
+        stacked = torch.where(per_step, stacked / world, stacked)
+    host = dict(zip(keys, stacked.tolist()))  # one sync for all metrics
     n_steps = steps_taken if steps_taken else math.nan
     n_tokens = host["tokens"] if host["tokens"] > 0 else math.nan
     out = {

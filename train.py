@@ -4,6 +4,7 @@
     python train.py --preset starpo --env sokoban                      # the StarPO baseline (no filter, KL, 0.2/0.2)
     python train.py --env sokoban --algo ppo --model Qwen/Qwen2.5-0.5B-Instruct --steps 200   # the paper, 1 GPU
     python train.py --plot runs/a runs/b                               # Echo Trap signals of several runs, one PNG
+    torchrun --standalone --nproc_per_node 8 train.py --env sokoban --algo ppo --model Qwen/Qwen2.5-0.5B-Instruct
 
 One loop, top to bottom: sample P prompts (fresh training seeds, never eval seeds) x N rollouts -> keep the
 prompt groups with the largest in-group reward std (StarPO-S, section 4.2) -> old log-probs, reference
@@ -25,6 +26,15 @@ Deviations from the paper / RAGEN (deliberate):
 4. A batch whose groups all have zero reward std is logged (`train/skipped_zero_std` = 1) and its update is
    skipped: GRPO advantages would all be 0 and the step would be a silent no-op (guide rule 7).
 5. The reference policy for KL is the initial policy, kept in memory (as verl's ref model).
+6. Data parallel under torchrun (distributed.py; RAGEN uses verl + Ray): each rank rolls out P / W whole prompt
+   groups; all P x N trajectories (small Python objects) are gathered on every rank, so the filter, GRPO
+   advantages and logged metrics are the single-process code on the same data; each rank computes old/ref
+   log-probs and values for its share of the rows and those are gathered too (GAE and whitening then see the
+   global batch); `update(shard=...)` trains each rank's rows of every mini-batch under DDP. Rank r samples
+   with the seed of iteration i plus r * 2**40 (rank 0 = the single-process stream), so a W-rank run is
+   reproducible (resume included) but samples differently from a run with another W.
+7. Only rank 0 logs, evaluates, plots and writes checkpoints; the others wait for it once per iteration.
+   `--resume` on several nodes needs the run folder on a shared filesystem (every rank reads the checkpoint).
 """
 from __future__ import annotations
 
@@ -43,12 +53,13 @@ import numpy as np
 import torch
 
 import cli
+import distributed as dist
 from advantages import broadcast_to_tokens, gae, grpo_advantages, place_reward_on_last_token, whiten
 from envs import ENVS, train_seeds
 from eval import evaluate
 from filter import select_groups
 from rollout import RolloutConfig, dump, rollout
-from starpo import Batch, UpdateConfig, make_optimizer, token_logprobs, update
+from starpo import Batch, TokenLogprobs, UpdateConfig, make_optimizer, token_logprobs, update
 
 PRESETS = {  # the paper's two recipes (section 4.2, Appendix C.2/D); flags typed explicitly win
     "starpo": dict(filter=1.0, kl_coef=0.001, clip_low=0.2, clip_high=0.2),
@@ -177,8 +188,9 @@ def collate(trajs, advantages_per_traj, pad_id: int):
 
 @torch.no_grad()
 def per_token(fn, ids, attn, micro: int):
-    """Apply fn(ids, attn) -> [b, T] over micro-batches (no grad); -> [B, T]."""
-    return torch.cat([fn(ids[i:i + micro], attn[i:i + micro]) for i in range(0, len(ids), micro)])
+    """Apply fn(ids, attn) -> [b, T] over micro-batches (no grad); -> [B, T] (B may be 0 on a data-parallel rank)."""
+    parts = [fn(ids[i:i + micro], attn[i:i + micro]) for i in range(0, len(ids), micro)]
+    return torch.cat(parts) if parts else torch.zeros(ids.shape, device=ids.device)
 
 
 # ------------------------------------------------------------------------------------------- Echo Trap
@@ -312,16 +324,26 @@ def main(argv=None):
     except (ValueError, FileNotFoundError) as e:
         cli.fail(str(e))
     from policy import Critic, autocast_dtype, load_critic, load_policy, pick_device, set_cpu_threads
+
+    # ---- processes: one under plain python; under torchrun one per GPU/CPU share, all with the whole model
+    try:
+        device = dist.init(pick_device(cfg.device))
+        if cfg.prompts % dist.world_size():
+            raise ValueError(f"--prompts {cfg.prompts}: must be divisible by the number of processes "
+                             f"({dist.world_size()}); a prompt group never splits across processes")
+    except ValueError as e:
+        cli.fail(str(e))
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-    print("config:", json.dumps(asdict(cfg)))
+    if dist.is_main():  # only rank 0 writes the run folder
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        print("config:", json.dumps(asdict(cfg)))
 
     # ---- model, reference, critic, optimizers
     try:
-        device = pick_device(cfg.device)
         set_cpu_threads(device, cfg.threads)
-        policy, tok, path = load_policy(cfg.model, device)
+        with dist.main_first():  # rank 0 builds (tiny) or downloads the model into the cache, then the others load
+            policy, tok, path = load_policy(cfg.model, device)
         env_overrides = {"data_dir": cfg.webshop_data} if (cfg.webshop_data and cfg.env == "webshop") else {}
         ENVS[cfg.env](**env_overrides)  # fail now, not mid-run, on a bad env override
     except ValueError as e:
@@ -339,8 +361,10 @@ def main(argv=None):
 
     # ---- resume
     metrics_path = out / "metrics.jsonl"
-    if cfg.resume and (out / "latest").exists():
-        ck = out / (out / "latest").read_text().strip()
+    latest = dist.broadcast_object((out / "latest").read_text().strip()  # rank 0 says which; every rank loads it
+                                   if dist.is_main() and cfg.resume and (out / "latest").exists() else None)
+    if latest:
+        ck = out / latest
         state = torch.load(ck / "state.pt", map_location=device, weights_only=False)
         policy.load_state_dict(load_policy(str(ck / "policy"), device, progress=False)[0].state_dict())
         opt.load_state_dict(state["opt"])
@@ -348,28 +372,38 @@ def main(argv=None):
             critic.load_state_dict(load_critic(str(ck / "critic"), device).state_dict())
             critic_opt.load_state_dict(state["critic_opt"])
         monitor, start = EchoMonitor(**state["monitor"]), state["step"]
-        kept = [l for l in metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= start]
-        metrics_path.write_text("".join(l + "\n" for l in kept))  # drop lines after the checkpoint
-        print(f"resumed from {ck} at iteration {start}")
-    elif not cfg.resume:
+        if dist.is_main():
+            kept = [l for l in metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= start]
+            metrics_path.write_text("".join(l + "\n" for l in kept))  # drop lines after the checkpoint
+            print(f"resumed from {ck} at iteration {start}")
+    elif not cfg.resume and dist.is_main():
         metrics_path.write_text("")
+    # DDP averages the ranks' gradients; it must wrap the module whose forward `update` calls: TokenLogprobs (see
+    # starpo.py), not the HF model, whose backbone and head the fused path reaches directly. Without torchrun
+    # both are the plain modules. Rollouts, eval and checkpoints keep using `policy` and `critic` themselves.
+    train_policy, train_critic = dist.ddp(TokenLogprobs(policy), device), dist.ddp(critic, device)
 
     # ---- the loop
     from tqdm import tqdm
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="StarPO", dynamic_ncols=True)
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="StarPO", dynamic_ncols=True,
+               disable=not dist.is_main())
     stop_reason = None
     for it in bar:
         t0 = time.time()
         m: dict = {"step": it + 1}
-        gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + it)
+        # sampling stream of (seed, iteration, rank); rank 0's is the single-process one (deviation 6)
+        gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + it + (dist.rank() << 40))
 
-        # 1. rollouts: P prompts x N rollouts, every rollout of a prompt shares its initial state (a group)
+        # 1. rollouts: P prompts x N rollouts, every rollout of a prompt shares its initial state (a group).
+        #    Each rank rolls out its whole groups `mine` (all P in one process); then every rank holds all of them.
         seeds = train_seeds(np.random.default_rng([cfg.seed, it]), cfg.prompts)
+        mine = dist.my_range(cfg.prompts)
         policy.eval()
-        trajs = rollout(cfg.env, [s for s in seeds for _ in range(cfg.rollouts)],
-                        [g for g in range(cfg.prompts) for _ in range(cfg.rollouts)], train_rcfg, tokenizer=tok,
-                        model=policy, generator=gen, samples=[k for _ in seeds for k in range(cfg.rollouts)],
+        trajs = rollout(cfg.env, [seeds[g] for g in mine for _ in range(cfg.rollouts)],
+                        [g for g in mine for _ in range(cfg.rollouts)], train_rcfg, tokenizer=tok,
+                        model=policy, generator=gen, samples=[k for _ in mine for k in range(cfg.rollouts)],
                         env_overrides=env_overrides)
+        trajs = dist.all_gather_objects(trajs)  # group order, every rank: the filter below ranks ALL groups
         rewards = torch.tensor([t.reward for t in trajs]).view(cfg.prompts, cfg.rollouts)  # [G, N]
         turns = [x for t in trajs for x in t.turns]
         acts = sum(t.num_actions for t in trajs)
@@ -400,65 +434,77 @@ def main(argv=None):
                 adv_traj = torch.zeros(len(kept))
             ids, attn, mask, row_scores, row_adv = collate(kept, adv_traj.tolist(), tok.pad_token_id)
             ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
+            r = dist.my_range(len(ids))  # this rank computes rows r; gathered, every rank holds the whole batch
+            share = lambda fn: dist.gather_rows(per_token(fn, ids[r.start:r.stop], attn[r.start:r.stop],
+                                                          cfg.micro_batch), len(ids))
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                 lp = lambda model: (lambda i, a: token_logprobs(model, i, a, cfg.temperature, cfg.fused)[0].float())
-                old_logp = per_token(lp(policy), ids, attn, cfg.micro_batch)          # [B, T]
-                ref_logp = per_token(lp(ref), ids, attn, cfg.micro_batch)             # [B, T]
-                values = per_token(lambda i, a: critic(i, a).float(), ids, attn, cfg.micro_batch) \
-                    if critic is not None else None
+                old_logp = share(lp(policy))                                          # [B, T]
+                ref_logp = share(lp(ref))                                             # [B, T]
+                values = share(lambda i, a: critic(i, a).float()) if critic is not None else None  # [B, T]
             if cfg.algo == "grpo":
                 adv, returns = broadcast_to_tokens(row_adv.to(device), mask), None
             else:  # the trajectory reward on each row's last sampled token; GAE over the sampled tokens
                 token_rewards = place_reward_on_last_token(row_scores.to(device), mask)
                 adv, returns = gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
-                adv = whiten(adv, mask)
+                adv = whiten(adv, mask)  # over the global batch: every rank holds all of it
             batch = Batch(input_ids=ids, attention_mask=attn, loss_mask=mask, old_logp=old_logp,
                           advantages=adv, ref_logp=ref_logp, returns=returns, old_values=values)
             m["time/prep"] = time.time() - t1
 
-            # 4. update: online_k passes over the batch (paper Figure 7)
+            # 4. update: online_k passes over the batch (paper Figure 7). The shuffle is the same on every rank
+            #    (the same mini-batches); each rank trains its rows of each one, DDP sums them (starpo.update)
             t2 = time.time()
             policy.train()
             if critic is not None:
                 critic.train()
             for k in range(cfg.online_k):
                 shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it * 101 + k)
-                um = update(policy, opt, batch, ucfg, critic=critic, critic_optimizer=critic_opt,
-                            generator=shuffle, autocast_dtype=amp)
+                um = update(train_policy, opt, batch, ucfg, critic=train_critic, critic_optimizer=critic_opt,
+                            generator=shuffle, autocast_dtype=amp, shard=(dist.rank(), dist.world_size()))
             m.update(um)
             m["train/rows"] = len(batch)
             m["time/update"] = time.time() - t2
-        else:
+        elif dist.is_main():
             tqdm.write(f"[iter {it + 1}] every group has zero reward std: update skipped (logged)")
 
-        # 5. Echo Trap monitor, eval, checkpoint, log
-        warnings = echo_check(monitor, m)
-        m["echo/warnings"] = len(warnings)
-        for w in warnings:
-            tqdm.write(f"[iter {it + 1}] ECHO TRAP WARNING: {w}")
-        if cfg.stop_on_collapse and warnings:
-            stop_reason = warnings[0]
-        last = it + 1 == cfg.steps or stop_reason is not None
-        if (cfg.eval_every and (it + 1) % cfg.eval_every == 0) or last:
-            t3 = time.time()
-            em, etrajs = evaluate(cfg.env, eval_rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
-                                  env_overrides=env_overrides)
-            m.update({f"eval/{k}": v for k, v in em.items() if k != "episodes"})
-            m["time/eval"] = time.time() - t3
-            with open(out / f"trajectories-{it + 1:06d}.txt", "w") as f:
-                f.write("".join(dump(t, tok) + "\n" for t in etrajs[:cfg.dump_trajectories]))
-        m["time/iteration"] = time.time() - t0
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(m) + "\n")
-        if (it + 1) % cfg.save_every == 0 or last:
-            save_checkpoint(out, it + 1, policy, tok, critic, opt, critic_opt, monitor, cfg)
-        tqdm.write(line(m))
+        # 5. Echo Trap monitor, eval, checkpoint, log: rank 0 only (its metrics are the global ones)
+        if dist.is_main():
+            warnings = echo_check(monitor, m)
+            m["echo/warnings"] = len(warnings)
+            for w in warnings:
+                tqdm.write(f"[iter {it + 1}] ECHO TRAP WARNING: {w}")
+            if cfg.stop_on_collapse and warnings:
+                stop_reason = warnings[0]
+            last = it + 1 == cfg.steps or stop_reason is not None
+            if (cfg.eval_every and (it + 1) % cfg.eval_every == 0) or last:
+                t3 = time.time()
+                em, etrajs = evaluate(cfg.env, eval_rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
+                                      env_overrides=env_overrides)
+                m.update({f"eval/{k}": v for k, v in em.items() if k != "episodes"})
+                m["time/eval"] = time.time() - t3
+                with open(out / f"trajectories-{it + 1:06d}.txt", "w") as f:
+                    f.write("".join(dump(t, tok) + "\n" for t in etrajs[:cfg.dump_trajectories]))
+            m["time/iteration"] = time.time() - t0
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(m) + "\n")
+            if (it + 1) % cfg.save_every == 0 or last:
+                save_checkpoint(out, it + 1, policy, tok, critic, opt, critic_opt, monitor, cfg)
+            tqdm.write(line(m))
+        stop_reason = dist.broadcast_object(stop_reason)  # rank 0 decides; the others wait here meanwhile
         if stop_reason:
-            tqdm.write(f"stopping on collapse (--stop-on-collapse): {stop_reason}")
+            if dist.is_main():
+                tqdm.write(f"stopping on collapse (--stop-on-collapse): {stop_reason}")
             break
     bar.close()
-    save_final(out, policy, tok, cfg)
-    print(f"final policy: {out / 'final'}")
+    if dist.world_size() > 1:  # a DDP mistake shows as replicas drifting apart: check once, bitwise
+        digest = dist.assert_in_sync(policy, critic)
+        if dist.is_main():
+            print(f"weights identical on all {dist.world_size()} processes (sha256 {digest})")
+    if dist.is_main():
+        save_final(out, policy, tok, cfg)
+        print(f"final policy: {out / 'final'}")
+    dist.close()
     return out
 
 

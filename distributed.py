@@ -1,0 +1,131 @@
+"""Data parallelism under torchrun: one process per GPU (or per CPU share), each holding the whole model.
+
+    torchrun --standalone --nproc_per_node 8 train.py ...     # launcher sets RANK, WORLD_SIZE, LOCAL_RANK
+
+This is not in the paper (RAGEN runs on verl + Ray); it is plain PyTorch data parallelism: every rank rolls out
+its share of the prompt groups, the ranks exchange small Python objects and [B, T] tensors with the helpers
+below, and DistributedDataParallel averages gradients. Without torchrun's variables (a plain `python train.py`)
+or with WORLD_SIZE=1 no process group is created and every helper returns its input: one process, as before.
+
+Deviations from the paper / RAGEN (deliberate):
+1. NCCL on CUDA, gloo on CPU, picked from the device; under torchrun each rank uses cuda:LOCAL_RANK whatever
+   `--device cuda:N` says (CUDA_VISIBLE_DEVICES chooses the GPUs).
+2. Collectives time out after 30 minutes (torch's default is 10): the other ranks wait while rank 0 evaluates.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def init(device: torch.device) -> torch.device:
+    """Join torchrun's process group when launched by it; -> this process's device."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():  # (a test may have joined already)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30),
+                                device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def main_first():
+    """Rank 0 runs the block first (it builds or downloads the model into the cache once), then the others."""
+    if not is_main():
+        barrier()
+    yield
+    if is_main():
+        barrier()
+
+
+def my_range(n: int) -> range:
+    """This rank's contiguous share of n items (prompt groups, batch rows): ceil(n / W) each, the last ranks
+    may get fewer or none. Concatenating the shares in rank order gives 0..n-1 back (see gather_rows)."""
+    c = math.ceil(n / world_size())
+    lo = min(n, rank() * c)
+    return range(lo, min(n, lo + c))
+
+
+def all_gather_objects(items: list) -> list:
+    """Every rank's list (picklable objects), concatenated in rank order, on every rank."""
+    if world_size() == 1:
+        return items
+    out = [None] * world_size()
+    dist.all_gather_object(out, items)
+    return [x for part in out for x in part]
+
+
+def gather_rows(x: torch.Tensor, n: int) -> torch.Tensor:
+    """This rank's rows my_range(n) of a [n, ...] tensor -> all n rows on every rank (padded all_gather)."""
+    if world_size() == 1:
+        return x
+    c = math.ceil(n / world_size())
+    padded = torch.cat([x, x.new_zeros((c - len(x), *x.shape[1:]))])  # [c, ...]: all_gather needs equal shapes
+    parts = [torch.empty_like(padded) for _ in range(world_size())]
+    dist.all_gather(parts, padded)
+    return torch.cat(parts)[:n]  # only the tail ranks are short, so the real rows are the first n
+
+
+def broadcast_object(obj):
+    """Rank 0's value on every rank."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def ddp(module: torch.nn.Module | None, device: torch.device):
+    """DistributedDataParallel(module) when there are several ranks, else the module itself. DDP all-reduces
+    gradients only for what runs inside its own forward: wrap the module whose forward the loss calls."""
+    if module is None or world_size() == 1:
+        return module
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def weights_digest(*modules: torch.nn.Module | None) -> str:
+    """sha256 of every parameter's bytes: equal digests = bitwise equal weights."""
+    h = hashlib.sha256()
+    for m in modules:
+        for p in (m.parameters() if m is not None else []):
+            h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def assert_in_sync(*modules: torch.nn.Module | None) -> str:
+    """Raise when the ranks' weights differ (a DDP mistake is otherwise silent); -> the common digest."""
+    digests = all_gather_objects([weights_digest(*modules)])
+    if len(set(digests)) != 1:
+        raise RuntimeError(f"weights differ across ranks after training (sha256 per rank: {digests})")
+    return digests[0]
