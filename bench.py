@@ -9,6 +9,12 @@ Sections (a plain dict below, SECTIONS):
          (about 12 GB of RAM and about 10 minutes on one CPU thread). The default, 1 x 1024 tokens in chunks
          of 256 (the same 4 chunks per call), stays near two minutes on a 2-core laptop; at so few tokens the
          fixed 519 MiB weight gradient dominates the fused peak, so read the memory target at the issue's shape.
+  rollout  generated tokens/s of rollout.rollout (all live episodes of a turn in one batch) against a loop that
+         runs one episode at a time, for P = 8 prompts x N = 16 rollouts on `--model` (default: the tiny
+         policy) in Sokoban at temperature 1.0: medians of --repeats runs, and the ratio within each run.
+  prior  the untrained policy on every env, think and no-think, at temperatures 0.5 (eval) and 1.0 (training):
+         well-formed replies per turn (issue 3 target >= 90%), valid actions, success, next to the random
+         agent's success on the same 64 eval seeds (a markdown table for the README).
 
 Peak memory: on CUDA, torch.cuda.max_memory_allocated() minus the allocation before the call (exact, counts
 only tensors). On CPU (torch has no CPU allocator statistics), the process's peak resident set size: the Linux
@@ -192,8 +198,119 @@ def bench_fused(args) -> dict:
             "memory_ratio": mem_ratio}
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Section: rollout
+# ----------------------------------------------------------------------------------------------------------
+
+def _load(args):
+    from policy import load_policy
+    model, tok, path = load_policy(args.model, device=args.device)
+    return model.eval(), tok, path
+
+
+def bench_rollout(args) -> dict:
+    """Generated tokens/s of the batched sampler vs a one-episode-at-a-time loop (issue 3)."""
+    from envs import EVAL_SEEDS
+    from rollout import RolloutConfig, rollout
+    model, tok, path = _load(args)
+    P, N = args.rollout_prompts, args.rollout_n
+    seeds = [s for s in EVAL_SEEDS[:P] for _ in range(N)]            # P prompts x N rollouts, grouped
+    groups = [g for g in range(P) for _ in range(N)]
+    samples = [k for _ in range(P) for k in range(N)]
+    cfg = RolloutConfig(temperature=args.rollout_temperature)
+    device = torch.device(args.device)
+
+    def batched(gen):
+        return rollout(args.rollout_env, seeds, groups, cfg, tokenizer=tok, model=model, generator=gen,
+                       samples=samples)
+
+    def one_at_a_time(gen):
+        return [t for s, g, k in zip(seeds, groups, samples)
+                for t in rollout(args.rollout_env, [s], [g], cfg, tokenizer=tok, model=model, generator=gen,
+                                 samples=[k])]
+
+    rates = {"batched": [], "one-at-a-time": []}
+    detail = {}
+    batched(torch.Generator(device).manual_seed(0))                  # warm-up: kernels, caches (not timed)
+    for rep in range(args.repeats):
+        order = ("batched", "one-at-a-time") if rep % 2 == 0 else ("one-at-a-time", "batched")
+        for name in order:
+            gen = torch.Generator(device).manual_seed(rep)
+            _sync(device)
+            t0 = time.perf_counter()
+            trajs = (batched if name == "batched" else one_at_a_time)(gen)
+            _sync(device)
+            dt = time.perf_counter() - t0
+            tokens = sum(t.response_tokens for tr in trajs for t in tr.turns)
+            rates[name].append(tokens / dt)
+            detail[name] = (tokens, dt, sum(len(tr.turns) for tr in trajs))
+        ratio = rates["batched"][-1] / rates["one-at-a-time"][-1]
+        rates.setdefault("ratio", []).append(ratio)
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    print(f"[rollout] model {args.model} ({path}), env {args.rollout_env}, {P} prompts x {N} rollouts, "
+          f"temperature {cfg.temperature}, {device.type}, threads={torch.get_num_threads()}, repeats={args.repeats}")
+    for name in ("batched", "one-at-a-time"):
+        tokens, dt, turns = detail[name]
+        all_r = ", ".join(f"{r:.0f}" for r in rates[name])
+        print(f"[rollout] {name:14s} {med[name]:8.0f} generated tokens/s (median; all: {all_r}); last run "
+              f"{tokens} tokens in {turns} turns, {dt:.1f} s")
+    print(f"[rollout] batched / one-at-a-time (same run): {med['ratio']:.1f}x (median; all: "
+          f"{', '.join(f'{r:.1f}' for r in rates['ratio'])})")
+    return {"tokens_per_s_batched": med["batched"], "tokens_per_s_single": med["one-at-a-time"],
+            "ratio": med["ratio"]}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Section: prior
+# ----------------------------------------------------------------------------------------------------------
+
+def bench_prior(args) -> dict:
+    """The untrained policy on every env: well-formed replies, valid actions, success, vs the random agent."""
+    import random
+    from envs import ENVS, EVAL_SEEDS
+    from rollout import RolloutConfig, random_agent, rollout
+    model, tok, path = _load(args)
+    seeds = EVAL_SEEDS[:args.prior_episodes]
+    groups = list(range(len(seeds)))
+    temps = [float(t) for t in args.prior_temperatures.split(",")]
+    device = torch.device(args.device)
+    print(f"[prior] model {args.model} ({path}), {len(seeds)} episodes per row (eval seeds "
+          f"{seeds[0]}..{seeds[-1]}), budgets 5 turns / 5 per turn / 10 per episode, {device.type}")
+    print("[prior] parsed = well-formed turns / turns; valid = valid actions / actions attempted; "
+          "success = episodes; random = the random agent's success on the same seeds")
+    head = f"| env | mode | " + " | ".join(f"T={t:g} parsed | valid | success" for t in temps) + " | random |"
+    print("[prior] " + head)
+    print("[prior] " + "|---" * (3 + 3 * len(temps)) + "|")
+    results, t0 = {}, time.perf_counter()
+    for env in sorted(ENVS):
+        rnd = rollout(env, seeds, groups, RolloutConfig(), agent=random_agent(random.Random(0)))
+        rnd_success = sum(t.success for t in rnd) / len(rnd)
+        for think in (True, False):
+            cells = []
+            for temp in temps:
+                cfg = RolloutConfig(think=think, temperature=temp)
+                trajs = rollout(env, seeds, groups, cfg, tokenizer=tok, model=model,
+                                generator=torch.Generator(device).manual_seed(0))
+                turns = [t for tr in trajs for t in tr.turns]
+                parsed = sum(t.parsed for t in turns) / len(turns)
+                valid = sum(tr.valid_actions for tr in trajs) / max(1, sum(tr.num_actions for tr in trajs))
+                success = sum(tr.success for tr in trajs) / len(trajs)
+                results[(env, think, temp)] = dict(parsed=parsed, valid=valid, success=success,
+                                                   random_success=rnd_success)
+                cells.append(f"{parsed:.0%} | {valid:.0%} | {success:.0%}")
+            mode = "think" if think else "no-think"
+            print(f"[prior] | {env} | {mode} | " + " | ".join(cells) + f" | {rnd_success:.0%} |", flush=True)
+    worst = min(r["parsed"] for r in results.values())
+    print(f"[prior] lowest parsed rate over all rows: {worst:.1%} (issue 3 target >= 90%); "
+          f"{time.perf_counter() - t0:.0f} s")
+    return {"min_parsed": worst, "rows": {f"{e}/{'think' if th else 'no-think'}/T={t:g}": r
+                                         for (e, th, t), r in results.items()}}
+
+
 SECTIONS = {
     "fused": bench_fused,
+    "rollout": bench_rollout,
+    "prior": bench_prior,
 }
 
 
@@ -210,6 +327,13 @@ def main(argv=None):
     parser.add_argument("--fused-chunk", type=int, default=None,
                         help="tokens per chunk of the fused path (default: tokens / 4, at most 1024, i.e. 1024 "
                              "= UpdateConfig.chunk_size at the issue's shape)")
+    parser.add_argument("--model", default="tiny", help="policy for rollout/prior: tiny, a folder or a hub id")
+    parser.add_argument("--rollout-env", default="sokoban")
+    parser.add_argument("--rollout-prompts", type=int, default=8, help="P prompts (paper: 8)")
+    parser.add_argument("--rollout-n", type=int, default=16, help="N rollouts per prompt (paper: 16)")
+    parser.add_argument("--rollout-temperature", type=float, default=1.0, help="training temperature 1.0")
+    parser.add_argument("--prior-episodes", type=int, default=64, help="episodes per env/mode/temperature")
+    parser.add_argument("--prior-temperatures", default="0.5,1.0", help="eval 0.5, training 1.0")
     args = parser.parse_args(argv)
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown:

@@ -23,17 +23,25 @@ window changes what the model sees, not what it is credited with.
 Deviations from the paper / RAGEN (deliberate):
 1. The assistant turn is pre-filled with the opening tag ("<think>", or "<answer>" with --no-think), as RAGEN's
    later versions do; the tag is a template token (mask 0). This removes format slips of small models.
-2. Generation stops at the text "</answer>" (or EOS, or max_new_tokens); the template's end-of-turn marker
-   is appended as a template token (mask 0) unless the policy itself sampled EOS.
+2. Generation stops once the text of a row's last tokens contains "</answer>" (a BPE token may carry text past
+   it), or at the tokenizer's EOS or the model's generation_config end tokens, or at max_new_tokens; the
+   template's end-of-turn marker is appended as a template token (mask 0) unless the policy itself sampled
+   EOS (then that sampled token closes the turn, and the reply's text leaves it to the template).
 3. A reply that parses but names an invalid action gets the format penalty once per turn and its valid actions
    still run (the issue's rule); RAGEN stops at the first invalid action.
 4. Decoding is our own loop over `model.base_model` + the LM head (not `generate()`), so it works the same on
    transformers 4.x and 5.x, computes logits for the last position only (a [B, T, V] prefill tensor would be
-   ~46 GB for Qwen at 128 x 600 tokens), and drops finished rows from the batch and KV cache.
+   ~46 GB for Qwen at 128 x 600 tokens), and drops finished rows from the batch and KV cache. Each turn
+   prefills its whole prompt again (no KV cache kept across turns): simple, and on the tiny policy most of a
+   rollout's time (bench.py rollout).
+5. The random agent (the baseline and the tiny policy's warm-up data) draws each action of a turn among the
+   actions valid after the previous ones, planned on a copy of the env as the expert's plan is: WebShop's
+   clickables change with the page, so a plan drawn from the first page alone would be mostly invalid.
 """
 from __future__ import annotations
 
 import copy
+import inspect
 import random
 import re
 from dataclasses import dataclass, field
@@ -133,8 +141,11 @@ def turn_text(k: int, obs: str, actions_left: int, cfg: RolloutConfig) -> str:
             f"Always output: {format_prompt(cfg.think)} with no extra text.\n")
 
 
+PENALTY_NOTE = "Invalid format or action.\n"
+
+
 def feedback_text(turn: Turn) -> str:
-    note = "" if turn.format_ok else "Invalid format or action.\n"
+    note = "" if turn.format_ok else PENALTY_NOTE
     return f"Reward: {round(turn.reward, 2):g}\n{note}"
 
 
@@ -176,13 +187,27 @@ def turn_close(tokenizer) -> str:
 
 # ----------------------------------------------------------------------------- batched sampling
 
+_CLOSERS: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer, ids); holding the tokenizer pins its id
+
+
+def closing_tokens(tokenizer) -> frozenset:
+    """Ids of the tokens whose text contains ">" (only these can complete "</answer>"); cached per tokenizer."""
+    hit = _CLOSERS.get(id(tokenizer))
+    if hit is None or hit[0] is not tokenizer:
+        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        hit = (tokenizer, frozenset(i for i, p in enumerate(pieces) if p is not None and ">" in p))
+        _CLOSERS[id(tokenizer)] = hit
+    return hit[1]
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
              generator: torch.Generator | None) -> list[list[int]]:
     """Sample one reply per prompt, all rows in one batch with a KV cache; -> sampled ids per row.
 
-    Left padding with explicit position ids (a row's first real token is position 0). Rows that emitted EOS or
-    whose text ends with "</answer>" leave the batch (and the KV cache).
+    Left padding with explicit position ids (a row's first real token is position 0). Rows that emitted an end
+    token (the tokenizer's EOS or the model's generation_config eos ids) or whose last tokens' text contains
+    "</answer>" leave the batch (and the KV cache).
     """
     device = next(model.parameters()).device
     B = len(prompts)
@@ -196,11 +221,17 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     ids, attn = ids.to(device), attn.to(device)
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
     head = model.get_output_embeddings()
-    eos = tokenizer.eos_token_id
+    stop_ids = {tokenizer.eos_token_id}   # + the model's own end tokens (Qwen2.5: <|im_end|> and <|endoftext|>)
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    stop_ids |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else {gen_eos}
+    closers = closing_tokens(tokenizer)
     out_ids: list[list[int]] = [[] for _ in range(B)]
     rows = torch.arange(B)                                              # which original rows are still live
+    # transformers >= 5.2x names the KV cache `cache` (`past_key_values` is deprecated, removed in 5.40); 4.x and
+    # early 5.x call it `past_key_values`: pass and read it under the name this version's model uses
+    cache_kw = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
     out = model.base_model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
-    past = out.past_key_values
+    past = out[cache_kw]
     hidden = out.last_hidden_state[:, -1]                               # [B, H]
     for _ in range(max_new_tokens):
         logits = head(hidden).float()                                   # [B, V]
@@ -212,8 +243,11 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
         keep = []
         for j, (r, t) in enumerate(zip(rows.tolist(), nxt[:, 0].tolist())):  # one host sync per token step
             out_ids[r].append(t)
-            tail = tokenizer.decode(out_ids[r][-8:], skip_special_tokens=False)
-            if t != eos and not tail.endswith(STOP_TEXT):
+            # decode the tail only when this token can close "</answer>" (its text holds a ">"): decoding every
+            # row at every step dominated the rollout time of small models
+            done = t in stop_ids or (t in closers and STOP_TEXT in tokenizer.decode(out_ids[r][-8:],
+                                                                                     skip_special_tokens=False))
+            if not done:  # `in` above: a BPE token may carry text past the ">"
                 keep.append(j)
         if not keep:
             break
@@ -226,9 +260,9 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
             rows, nxt, attn = rows[torch.tensor(keep)], nxt[k], attn[k]
         attn = torch.cat([attn, attn.new_ones(len(rows), 1)], dim=1)
         pos = attn.sum(-1, keepdim=True) - 1
-        out = model.base_model(input_ids=nxt, attention_mask=attn, position_ids=pos, past_key_values=past,
-                               use_cache=True)
-        past = out.past_key_values
+        out = model.base_model(input_ids=nxt, attention_mask=attn, position_ids=pos, use_cache=True,
+                               **{cache_kw: past})
+        past = out[cache_kw]
         hidden = out.last_hidden_state[:, -1]
     return out_ids
 
@@ -249,10 +283,20 @@ def available_actions(env) -> list[str]:
 
 
 def random_agent(rng: random.Random):
-    """Uniformly random valid actions, 1..min(max per turn, actions left) of them; a truthful fixed thought."""
+    """Uniformly random valid actions, 1..min(max per turn, actions left) of them; a truthful fixed thought.
+
+    Each action is drawn from the actions valid in the state the previous ones lead to (planned on a copy of
+    the env, as expert_agent does): in WebShop the valid clicks change with the page, and a plan drawn from the
+    first page only would be mostly invalid. The plan stops early if the copy's episode ends (a Bandit pull).
+    """
     def act(env, actions_left: int, cfg: RolloutConfig) -> tuple[list[str], str]:
         k = rng.randint(1, max(1, min(cfg.max_actions_per_turn, actions_left)))
-        return [rng.choice(available_actions(env)) for _ in range(k)], "I pick my moves at random."
+        sim, plan = copy.deepcopy(env), []
+        for _ in range(k):
+            plan.append(rng.choice(available_actions(sim)))
+            if sim.step(plan[-1])[2]:
+                break
+        return plan, "I pick my moves at random."
     return act
 
 
@@ -330,7 +374,9 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
                 sampled = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         else:
             sampled = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, generator)
-            texts = [tokenizer.decode(s, skip_special_tokens=False) for s in sampled]
+            # a sampled end-of-turn token is not part of the reply's text: the chat template writes it
+            texts = [tokenizer.decode(s[:-1] if s[-1] == tokenizer.eos_token_id else s, skip_special_tokens=False)
+                     for s in sampled]
         # --- parse, act, record
         still = []
         for j, i in enumerate(live):

@@ -67,7 +67,7 @@ PRESETS = {  # the paper's two recipes (section 4.2, Appendix C.2/D); flags type
 }
 # Per-model defaults for fields left at None. Qwen: the paper's (Appendix C.2). tiny: what trains on a CPU.
 MODEL_DEFAULTS = {
-    "tiny": dict(lr=1e-4, critic_lr=1e-3, steps=60, eval_prompts=128),
+    "tiny": dict(lr=1e-4, critic_lr=1e-3, steps=30, eval_prompts=128),
     "hf": dict(lr=1e-6, critic_lr=1e-5, steps=200, eval_prompts=256),
 }
 
@@ -102,7 +102,7 @@ class Config:
     temperature: float = cli.flag(1.0, "rollout sampling temperature")
     think: bool = cli.flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
     context_turns: int = cli.flag(0, "history window: 0 = whole conversation (paper), K = last K turns")
-    steps: int | None = cli.flag(None, "training iterations (default: tiny 60, hub models 200)")
+    steps: int | None = cli.flag(None, "training iterations (default: tiny 30, hub models 200)")
     eval_every: int = cli.flag(10, "evaluate every this many iterations (0 = only at the end)")
     eval_prompts: int | None = cli.flag(None, "eval prompts, <= 256 (default: tiny 128, hub models 256)")
     eval_temperature: float = cli.flag(0.5, "eval sampling temperature (paper: 0.5)")

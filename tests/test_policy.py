@@ -1,0 +1,253 @@
+"""Tests for policy.py: device choice, the tiny policy (tokenizer, cached deterministic build, offline load), the
+Hugging Face loading path on a small Qwen2 model saved with save_pretrained, and the PPO critic.
+
+Run from the repository root:  python -m pytest -q tests/test_policy.py   (about 20 s on one core)
+
+The tiny policy used here is a SMALL build (2 envs, a ~80k-parameter model, 80 warm-up steps: seconds), built once
+per session into pytest's temporary folder; the default build (~1M parameters, ~80 s) is bench.py's business.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import policy  # noqa: E402
+import rollout as R  # noqa: E402
+
+torch.set_num_threads(1)  # see the developers' guide: 2 threads were erratic and slower on these machines
+
+# The same SMALL build as tests/test_rollout.py (same dict, same cache folder: built once per session).
+SMALL = dict(envs=["bandit", "sokoban"],
+             warmup=dict(episodes_per_env=32, steps=80, batch_tokens=2048, lr=2e-2),
+             model_cfg=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1))
+# A build that only has to exist (cache-key and offline tests): ~1 s.
+MICRO = dict(envs=["bandit"], warmup=dict(episodes_per_env=8, steps=2, batch_tokens=512),
+             model_cfg=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1))
+
+
+@pytest.fixture(scope="session")
+def small(tmp_path_factory):
+    cache = tmp_path_factory.getbasetemp() / "tiny-cache"
+    return policy.load_policy("tiny", cache_dir=str(cache), progress=False, tiny=SMALL)
+
+
+# ----------------------------------------------------------------------------- device, dtype
+
+def test_pick_device_and_autocast():
+    assert policy.pick_device("cpu") == torch.device("cpu")
+    assert policy.pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    for bad in ("tpu", "gpu", "CPU", "cuda0", ""):
+        with pytest.raises(ValueError, match="allowed"):
+            policy.pick_device(bad)
+    if not torch.cuda.is_available():
+        for name in ("cuda", "cuda:0"):
+            with pytest.raises(ValueError, match="not available"):
+                policy.pick_device(name)
+    assert policy.autocast_dtype(torch.device("cpu")) is None
+    assert policy.autocast_dtype(torch.device("cuda")) is torch.bfloat16
+
+
+# ----------------------------------------------------------------------------- the tiny tokenizer
+
+def test_tiny_tokenizer_is_word_level_and_exact(small):
+    _, tok, path = small
+    assert "Qwen2" not in type(tok).__name__   # the saved word-level tokenizer, not transformers 5's Qwen2 BPE
+    text = ("Turn 2:\nState:\n######\n#_OX√#\n#P___#\n######\nYou have 6 actions left.\n"
+            "<think> I pick my moves at random. </think> <answer> Up || Down </answer>")
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert tok.decode(ids) == text
+    assert tok.unk_token_id not in ids
+    pieces = tok.convert_ids_to_tokens(ids)
+    assert pieces.count("\n") == text.count("\n")            # grid rows stay apart
+    for tag in (" </think>", " <answer>", " </answer>", " ||"):
+        assert tag in pieces                                  # one token each, leading space included
+    assert tok.convert_ids_to_tokens(tok("<think>", add_special_tokens=False)["input_ids"]) == ["<think>"]
+    # the chat template round-trips through save/load
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == (
+        "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n")
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token_id is not None
+
+
+def test_default_tiny_config_is_1_to_5M_parameters():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    with torch.device("meta"):
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=700, **policy.TINY_MODEL))
+    assert 1_000_000 <= sum(p.numel() for p in model.parameters()) <= 5_000_000
+
+
+# ----------------------------------------------------------------------------- the cached build
+
+def _weights(path):
+    from safetensors.torch import load_file
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def test_tiny_build_is_cached_deterministic_and_keyed(tmp_path, monkeypatch):
+    a = policy.ensure_tiny(str(tmp_path / "a"), progress=False, **MICRO)
+    stamp = (Path(a) / "model.safetensors").stat().st_mtime_ns
+    assert policy.ensure_tiny(str(tmp_path / "a"), progress=False, **MICRO) == a          # a cache hit ...
+    assert (Path(a) / "model.safetensors").stat().st_mtime_ns == stamp                   # ... not a rebuild
+    b = policy.ensure_tiny(str(tmp_path / "b"), progress=False, **MICRO)
+    assert Path(a).name == Path(b).name
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)          # same seed, same bits
+    # the key follows the config, the warm-up, the vocabulary (env texts) and the warm-up code's version
+    keyed = [
+        dict(MICRO, warmup={**MICRO["warmup"], "seed": 1}),
+        dict(MICRO, model_cfg={**MICRO["model_cfg"], "hidden_size": 32}),
+        dict(MICRO, envs=["bandit-rev"]),
+    ]
+    paths = {Path(policy.ensure_tiny(str(tmp_path / "a"), progress=False, **o)).name for o in keyed}
+    monkeypatch.setattr(policy, "TINY_VERSION", policy.TINY_VERSION + 1)
+    paths.add(Path(policy.ensure_tiny(str(tmp_path / "a"), progress=False, **MICRO)).name)
+    assert len(paths) == 4 and Path(a).name not in paths
+    # a different vocabulary: bandit-rev only swaps the roles, so add an env with other words
+    ws = policy.ensure_tiny(str(tmp_path / "a"), progress=False, **dict(MICRO, envs=["bandit", "sokoban"]))
+    assert json.loads((Path(ws) / "config.json").read_text())["vocab_size"] > \
+        json.loads((Path(a) / "config.json").read_text())["vocab_size"]
+
+
+def test_tiny_builds_and_loads_offline(tmp_path):
+    """No network: the hub is switched off and every socket connect raises; build, then load the cached copy."""
+    code = textwrap.dedent(f"""
+        import json, socket, sys
+        def no_network(*a, **k):
+            raise OSError("network access attempted")
+        socket.socket.connect = no_network
+        socket.create_connection = no_network
+        sys.path.insert(0, {str(ROOT)!r})
+        import torch, policy
+        torch.set_num_threads(1)
+        tiny = json.loads({json.dumps(json.dumps(MICRO))})
+        m1, tok, p1 = policy.load_policy("tiny", cache_dir={str(tmp_path)!r}, progress=False, tiny=tiny)
+        m2, tok2, p2 = policy.load_policy("tiny", cache_dir={str(tmp_path)!r}, progress=False, tiny=tiny)
+        same = all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
+        print(json.dumps(dict(p1=p1, p2=p2, same=same, cls=type(m2).__name__, tok=type(tok2).__name__)))
+    """)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["p1"] == res["p2"] and res["same"]
+    assert res["cls"] == "Qwen2ForCausalLM" and "Qwen2" not in res["tok"]
+
+
+# ----------------------------------------------------------------------------- the Hugging Face path
+
+def _qwen_like_folder(folder: Path):
+    """A small Qwen2 checkpoint + a byte-level BPE tokenizer that declares itself a Qwen2Tokenizer, as a hub
+    model folder does; saved with save_pretrained. -> the saved model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from envs import make_env
+    texts = []
+    for name in ("bandit", "sokoban"):
+        env = make_env(name)
+        texts += [env.instruction, env.reset(1000), R.format_prompt(True), "Reward: -0.1\nTurn 2:\nState:\n"]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator(texts * 4, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = policy.CHAT_TEMPLATE
+    tok.save_pretrained(folder)
+    cfg_file = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["tokenizer_class"] = "Qwen2Tokenizer"                  # as Qwen/Qwen2.5-0.5B-Instruct declares
+    cfg_file.write_text(json.dumps(cfg))
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id))
+    model.save_pretrained(folder)
+    return model, tok
+
+
+def test_hf_loading_path_on_saved_qwen2(tmp_path):
+    saved, saved_tok = _qwen_like_folder(tmp_path)
+    model, tok, path = policy.load_policy(str(tmp_path))
+    assert path == str(tmp_path) and type(model).__name__ == "Qwen2ForCausalLM"
+    assert type(tok).__name__.startswith("Qwen2Tokenizer")     # AutoTokenizer chose the declared class
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), saved.state_dict().values()))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    text = "Turn 1:\nState:\n#_OX#\n<think> x </think> <answer> Up || Down </answer>"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert ids == saved_tok(text, add_special_tokens=False)["input_ids"] and tok.decode(ids) == text
+    # a rollout through the BPE tokenizer: its ids are the chat template's rendering of the conversation
+    cfg = R.RolloutConfig(max_new_tokens=12, max_turns=2)
+    gen = torch.Generator().manual_seed(0)
+    for traj in R.rollout("sokoban", [123, 124], [0, 1], cfg, tokenizer=tok, model=model, generator=gen):
+        seg, = traj.segments
+        assert tok.decode(seg.input_ids) == tok.apply_chat_template(traj.messages, tokenize=False)
+        assert sum(seg.loss_mask) == sum(t.response_tokens for t in traj.turns)
+
+
+def test_load_policy_errors(tmp_path):
+    with pytest.raises(ValueError, match="allowed"):
+        policy.load_policy(str(tmp_path / "no-such-model"))
+    _qwen_like_folder(tmp_path)
+    cfg_file = tmp_path / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg.pop("chat_template", None)
+    cfg_file.write_text(json.dumps(cfg))
+    (tmp_path / "chat_template.jinja").unlink(missing_ok=True)
+    with pytest.raises(ValueError, match="chat template"):
+        policy.load_policy(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------- the critic
+
+def test_critic_shape_alignment_and_round_trip(small, tmp_path):
+    model, tok, path = small
+    critic = policy.load_critic(path)
+    # the backbone is a separate copy of the policy's: same weights, different tensors
+    pol = dict(model.base_model.named_parameters())
+    for name, p in critic.backbone.named_parameters():
+        assert torch.equal(p, pol[name]) and p.data_ptr() != pol[name].data_ptr()
+    assert torch.count_nonzero(critic.value_head.weight) == 0           # first values are 0, not noise
+    torch.manual_seed(0)
+    torch.nn.init.normal_(critic.value_head.weight)
+    torch.nn.init.normal_(critic.value_head.bias)
+    ids = torch.randint(5, len(tok), (3, 9))                                    # [B, T]
+    attn = torch.ones_like(ids)
+    attn[1, 6:] = 0                                                             # right padding
+    values = critic(ids, attn)
+    assert values.shape == (3, 9) and values.dtype == torch.float32
+    with torch.no_grad():
+        h = critic.backbone(input_ids=ids, attention_mask=attn).last_hidden_state   # [B, T, H]
+        head = critic.value_head(h).squeeze(-1)                                      # [B, T]
+    assert torch.all(values[:, 0] == 0)
+    # values[:, t] is read from the hidden state at t-1: the state before token t is sampled
+    torch.testing.assert_close(values[:, 1:], head[:, :-1])
+    # padding after position 5 does not change the real positions of row 1
+    alone = critic(ids[1:2, :6], attn[1:2, :6])
+    torch.testing.assert_close(values[1:2, :6], alone, rtol=1e-5, atol=1e-5)
+    # round trip: save_pretrained + load_critic gives the same values
+    critic.save_pretrained(str(tmp_path))
+    again = policy.load_critic(str(tmp_path))
+    torch.testing.assert_close(again(ids, attn), values)
+    # the critic trains: a gradient reaches the head and the backbone
+    values[attn.bool()].sum().backward()
+    assert critic.value_head.weight.grad is not None
+    assert critic.backbone.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0
+
+
+def test_pad_segments():
+    segs = [R.Segment([5, 6, 7], [0, 1, 1]), R.Segment([8], [0])]
+    ids, attn, mask = policy.pad_segments(segs, pad_id=1)
+    assert ids.tolist() == [[5, 6, 7], [8, 1, 1]]
+    assert attn.tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert mask.tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]] and mask.dtype == torch.float32
