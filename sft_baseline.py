@@ -1,0 +1,416 @@
+"""Supervised fine-tuning on expert trajectories (paper Appendix G): the baseline that shows what RL costs.
+
+    python sft_baseline.py --env sokoban                    # tiny policy, CPU: full fine-tuning, minutes
+    python eval.py --env sokoban --policy runs/sft-sokoban-s0/final
+    python sft_baseline.py --env sokoban --model Qwen/Qwen2.5-0.5B-Instruct    # the paper: LoRA 64/32, 1 GPU
+
+One loop, top to bottom: 1,000 training and 100 test trajectories of the environment's expert (Sokoban: the
+fewest-moves BFS plan; FrozenLake: the success-maximising policy), on training seeds that never meet the 256
+eval seeds, rendered by rollout.py exactly as RL rollouts are (system prompt, chat template, turn texts,
+pre-filled tag, history window `--context-turns`), so the loss mask is 1 exactly on the expert's reply tokens
+-> 5 epochs of next-token cross-entropy on those tokens, batches of 128 sequences accumulated from micro-batches
+of 4 -> one JSONL line + one printed line per optimizer step -> test loss after each epoch, the lowest kept ->
+LoRA merged into the weights -> a plain `save_pretrained` folder that eval.py loads like any RL policy.
+
+LoRA (Hu et al. 2021, eq. 3) is hand-written here: every linear layer of the transformer blocks (attention
+q/k/v/o and MLP gate/up/down; not the embeddings or the LM head) gets y = W x + (alpha / r) * B A x with W
+frozen, A random, B = 0, so training starts exactly at the pretrained model; export merges W + (alpha / r) B A.
+
+Deviations from the paper / RAGEN (deliberate):
+1. `--model tiny` defaults (printed with `--help`): full fine-tuning (`--lora-rank 0`; a rank-64 adapter on a
+   128-wide model is no saving), lr 1e-3 (1e-4 left the ~1M-parameter model far from the expert after 5
+   epochs), and a 1-turn history window (`--context-turns 1`: one example per turn, the current board only;
+   whole conversations did not train within minutes on a CPU). The Qwen defaults are the paper's (LoRA rank 64,
+   alpha 32, lr 1e-4, whole conversations).
+2. The expert answers with `--expert-actions` moves per turn, default ceil(max_actions / max_turns) = 2: with
+   one move per turn the 5-turn budget caps the expert itself at 73% of the eval rooms (5 moves), with two it
+   can use the whole 10-action budget (99.6%). Its thought is rollout.expert_agent's truthful template
+   ("The best plan is Up, Left."); a tokenizer that lacks its words (the tiny one, at this writing) trains on
+   <unk> there, which is reported at start-up and does not touch the answer.
+3. Every expert trajectory is kept, solved or not: each of its actions is the expert's choice in the state it
+   saw (keeping only solved FrozenLake episodes would select lucky slips, not better actions).
+4. The learning rate warms up linearly over the first 5% of the optimizer steps, then decays to 0 on a cosine
+   (the paper states only the peak); gradients are clipped at norm 1.0, as in train.py.
+5. The checkpoint with the lowest test loss is kept in memory (a copy of the trained parameters), not on disk,
+   and there is no --resume: a run is minutes on a CPU.
+6. Besides the test loss, the kept policy is evaluated at the end on the eval prompts (`--eval-every` also
+   evaluates after epochs) with the protocol of eval.py: the same seed gives the same numbers as
+   `python eval.py --policy RUN_DIR/final`.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cli
+from envs import ENVS, train_seeds
+from eval import evaluate
+from rollout import dump, expert_agent, rollout
+from starpo import make_optimizer, token_logprobs
+from train import rollout_config, save_final
+
+# Per-model defaults for fields left at None. Qwen: the paper's (Appendix G). tiny: what trains on a CPU.
+MODEL_DEFAULTS = {
+    "tiny": dict(lr=1e-3, lora_rank=0, context_turns=1),
+    "hf": dict(lr=1e-4, lora_rank=64, context_turns=0),
+}
+WARMUP_FRACTION = 0.05
+MAX_GRAD_NORM = 1.0
+
+
+@dataclass
+class Config:
+    env: str = cli.flag("sokoban", "environment", choices=sorted(ENVS))
+    train_trajectories: int = cli.flag(1000, "expert trajectories to train on (paper: 1,000)")
+    test_trajectories: int = cli.flag(100, "expert trajectories for the test loss (paper: 100)")
+    expert_actions: int | None = cli.flag(None, "expert moves per turn (default: ceil(max-actions / max-turns))")
+    max_turns: int = cli.flag(5, "turns per episode")
+    max_actions_per_turn: int = cli.flag(5, "actions per turn")
+    max_actions: int = cli.flag(10, "actions per episode")
+    max_new_tokens: int = cli.flag(100, "token budget per reply (eval)")
+    format_penalty: float = cli.flag(-0.1, "reward of a turn without a valid answer (eval)")
+    think: bool = cli.flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
+    context_turns: int | None = cli.flag(None, "history window: 0 = whole conversation, K = last K turns "
+                                               "(default: tiny 1, hub models 0)")
+    epochs: int = cli.flag(5, "passes over the training data")
+    batch: int = cli.flag(128, "training sequences per optimizer step")
+    micro_batch: int = cli.flag(4, "training sequences per forward/backward (gradient accumulation)")
+    lr: float | None = cli.flag(None, "peak learning rate (default: tiny 1e-3, hub models 1e-4)")
+    lora_rank: int | None = cli.flag(None, "LoRA rank r, 0 = full fine-tuning (default: tiny 0, hub models 64)")
+    lora_alpha: float = cli.flag(32.0, "LoRA alpha (the update is scaled by alpha / r)")
+    eval_every: int = cli.flag(0, "also evaluate every this many epochs (0 = only the kept policy, at the end)")
+    eval_prompts: int = cli.flag(256, "eval prompts, <= 256")
+    eval_temperature: float = cli.flag(0.5, "eval sampling temperature (paper: 0.5)")
+    dump_trajectories: int = cli.flag(3, "trajectories written as text at each eval")
+    seed: int = cli.flag(0, "seed of everything (data seeds, batch order, eval sampling)")
+    out: str | None = cli.flag(None, "run folder (default: runs/sft-ENV-sSEED)")
+    model: str = cli.flag("tiny", "tiny (embedded, offline), a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or a folder")
+    device: str = cli.flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
+    threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)")
+    fused: bool = cli.flag(True, "chunked log-prob path that never builds [B, T, V] logits")
+    webshop_data: str | None = cli.flag(None, "folder with the original WebShop files (default: shipped catalogue)")
+    # derived after the data is built
+    steps: int = field(default=0, metadata={"derived": True})
+
+
+def derive(cfg: Config, explicit: set[str]) -> Config:
+    """Per-model defaults, sizes that follow from the flags, and one-line errors for bad values."""
+    kind = "tiny" if cfg.model == "tiny" else "hf"
+    for k, v in MODEL_DEFAULTS[kind].items():
+        if getattr(cfg, k) is None:
+            setattr(cfg, k, v)
+    if cfg.expert_actions is None:  # the fewest moves per turn that let the expert use the whole budget
+        cfg.expert_actions = min(cfg.max_actions_per_turn, -(-cfg.max_actions // max(1, cfg.max_turns)))
+    checks = [
+        (cfg.train_trajectories >= 1, f"--train-trajectories {cfg.train_trajectories}: must be >= 1"),
+        (cfg.test_trajectories >= 1, f"--test-trajectories {cfg.test_trajectories}: must be >= 1"),
+        (cfg.max_turns >= 1 and cfg.max_actions_per_turn >= 1 and cfg.max_actions >= 1,
+         "--max-turns, --max-actions-per-turn and --max-actions must be >= 1"),
+        (1 <= cfg.expert_actions <= cfg.max_actions_per_turn,
+         f"--expert-actions {cfg.expert_actions}: must be in 1..{cfg.max_actions_per_turn} (--max-actions-per-turn)"),
+        (cfg.max_new_tokens >= 1, f"--max-new-tokens {cfg.max_new_tokens}: must be >= 1"),
+        (cfg.context_turns >= 0, f"--context-turns {cfg.context_turns}: must be >= 0"),
+        (cfg.epochs >= 1, f"--epochs {cfg.epochs}: must be >= 1"),
+        (cfg.batch >= 1 and cfg.micro_batch >= 1, "--batch and --micro-batch must be >= 1"),
+        (cfg.lr > 0, f"--lr {cfg.lr}: must be > 0"),
+        (cfg.lora_rank >= 0, f"--lora-rank {cfg.lora_rank}: must be >= 0 (0 = full fine-tuning)"),
+        (cfg.lora_alpha > 0, f"--lora-alpha {cfg.lora_alpha}: must be > 0"),
+        (cfg.eval_every >= 0, f"--eval-every {cfg.eval_every}: must be >= 0"),
+        (1 <= cfg.eval_prompts <= 256, f"--eval-prompts {cfg.eval_prompts}: must be in 1..256"),
+        (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0"),
+        (cfg.seed >= 0, f"--seed {cfg.seed}: must be >= 0"),
+        (cfg.threads >= 1, f"--threads {cfg.threads}: must be >= 1"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ValueError(msg)
+    cfg.out = cfg.out or f"runs/sft-{cfg.env}-s{cfg.seed}"
+    return cfg
+
+
+# ------------------------------------------------------------------------------------------- LoRA
+
+class LoRALinear(nn.Module):
+    """y = base(x) + (alpha / r) * B A x (Hu et al. 2021, eq. 3); base frozen, A ~ nn.Linear's init, B = 0."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.scale = alpha / rank
+        w = base.weight
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=w.device, dtype=w.dtype))  # [r, in]
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=w.device, dtype=w.dtype))  # [out, r]
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear (and peft): B = 0 keeps y = base(x)
+
+    def forward(self, x):
+        return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+
+    @torch.no_grad()
+    def merged(self) -> nn.Linear:
+        """A plain nn.Linear with W + (alpha / r) B A (same bias): what save_pretrained writes."""
+        w = self.base.weight
+        out = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None,
+                        device=w.device, dtype=w.dtype)
+        out.weight.copy_(w + self.scale * (self.lora_B.float() @ self.lora_A.float()).to(w.dtype))
+        if self.base.bias is not None:
+            out.bias.copy_(self.base.bias)
+        return out
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float) -> list[str]:
+    """Freeze `model` and wrap every nn.Linear except the LM head in a LoRALinear; -> the wrapped names."""
+    head = model.get_output_embeddings()
+    model.requires_grad_(False)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head]
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, LoRALinear(getattr(owner, child), rank, alpha))
+    return names
+
+
+def merge_lora(model: nn.Module) -> int:
+    """Replace every LoRALinear by its merged nn.Linear (in place); -> how many were merged."""
+    names = [n for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, getattr(owner, child).merged())
+    return len(names)
+
+
+# ------------------------------------------------------------------------------------------- the data
+
+def data_seeds(seed: int, n_train: int, n_test: int) -> tuple[list[int], list[int]]:
+    """Distinct training seeds (envs.train_seeds: never an eval seed) -> (train, test), disjoint."""
+    seeds = train_seeds(np.random.default_rng([seed, 0]), n_train + n_test)
+    return seeds[:n_train], seeds[n_train:]
+
+
+def expert_trajectories(env: str, seeds: list[int], rcfg, tok, actions_per_turn: int,
+                        env_overrides: dict | None = None):
+    """The expert's episodes rendered as rollouts: each segment's loss mask is 1 exactly on the reply tokens."""
+    return rollout(env, seeds, list(range(len(seeds))), rcfg, tokenizer=tok, agent=expert_agent(actions_per_turn),
+                   env_overrides=env_overrides)
+
+
+def unknown_words(tok, trajs) -> list[str]:
+    """Words of the expert's replies that the tokenizer maps to <unk> (they would be trained as <unk>)."""
+    if tok.unk_token_id is None:
+        return []
+    texts = {re.sub(r"</?\w+>", " ", m["content"]) for t in trajs for m in t.messages if m["role"] == "assistant"}
+    words = {w for text in texts for w in re.findall(r"\w+", text)}  # words of the replies, tags removed
+    return sorted(w for w in words if tok.unk_token_id in tok(" " + w, add_special_tokens=False)["input_ids"])
+
+
+def batch_order(n: int, batch: int, seed: int, epoch: int) -> list[list[int]]:
+    """One epoch's batches: a permutation of range(n) derived from (seed, epoch), cut into `batch`-sized parts."""
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
+    return [perm[i:i + batch] for i in range(0, n, batch)]
+
+
+def micro_batches(segs, micro: int):
+    """Length-sorted micro-batches (less padding; the summed gradient does not depend on the grouping)."""
+    segs = sorted(segs, key=lambda s: len(s.input_ids))
+    return [segs[i:i + micro] for i in range(0, len(segs), micro)]
+
+
+def sft_step(policy, opt, segs, cfg: Config, pad_id: int, device, amp) -> dict:
+    """One optimizer step on `segs`: token-mean cross-entropy on the mask, accumulated over micro-batches.
+
+    Each micro-batch's summed NLL is divided by the token count of the whole batch, so the accumulated gradient
+    equals one big batch's. Metrics stay tensors until the single host sync at the end."""
+    from policy import pad_segments
+    n_tok = sum(sum(s.loss_mask) for s in segs)  # host ints: known before any forward
+    nll_sum = torch.zeros((), device=device)
+    ent_sum = torch.zeros((), device=device)
+    for part in micro_batches(segs, cfg.micro_batch):
+        ids, attn, mask = (x.to(device) for x in pad_segments(part, pad_id))  # [b, T] each
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            logp, ent = token_logprobs(policy, ids, attn, 1.0, cfg.fused)  # [b, T]
+        nll = -(logp.float() * mask).sum()
+        (nll / n_tok).backward()
+        nll_sum += nll.detach()
+        ent_sum += (ent.detach().float() * mask).sum()
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], MAX_GRAD_NORM)
+    finite = torch.isfinite(grad_norm) & torch.isfinite(nll_sum)
+    host = torch.stack([nll_sum / n_tok, ent_sum / n_tok, grad_norm.float(), finite.float()]).tolist()  # one sync
+    if host[3]:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    return {"train/loss": host[0], "train/entropy": host[1], "train/grad_norm": host[2],
+            "train/skipped_nonfinite": 1.0 - host[3], "train/tokens": n_tok, "train/rows": len(segs)}
+
+
+@torch.no_grad()
+def test_loss(policy, segs, cfg: Config, pad_id: int, device, amp) -> float:
+    """Token-mean cross-entropy of the policy on the mask of `segs` (the checkpoint criterion)."""
+    from policy import pad_segments
+    was_training = policy.training
+    policy.eval()
+    total = torch.zeros((), device=device)
+    for part in micro_batches(segs, cfg.micro_batch):
+        ids, attn, mask = (x.to(device) for x in pad_segments(part, pad_id))  # [b, T] each
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            logp, _ = token_logprobs(policy, ids, attn, 1.0, cfg.fused)  # [b, T]
+        total += -(logp.float() * mask).sum()
+    policy.train(was_training)
+    return total.item() / sum(sum(s.loss_mask) for s in segs)
+
+
+def lr_factor(step: int, steps: int) -> float:
+    """Linear warm-up over the first WARMUP_FRACTION of the steps, then a cosine from 1 towards 0."""
+    warmup = max(1, round(WARMUP_FRACTION * steps))
+    if step < warmup:
+        return (step + 1) / warmup
+    return 0.5 * (1 + math.cos(math.pi * (step + 1 - warmup) / (steps - warmup + 1)))
+
+
+def trainable_state(policy) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+
+
+@torch.no_grad()
+def load_trainable_state(policy, state: dict[str, torch.Tensor]) -> None:
+    for n, p in policy.named_parameters():
+        if n in state:
+            p.copy_(state[n])
+
+
+# ------------------------------------------------------------------------------------------- main
+
+def main(argv=None):
+    # ---- config
+    try:
+        cfg, explicit = cli.parse(Config, argv, description=__doc__.split("\n")[0])
+        cfg = derive(cfg, explicit)
+    except ValueError as e:
+        cli.fail(str(e))
+    from policy import autocast_dtype, load_policy, pick_device, set_cpu_threads
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    # ---- model (+ LoRA), optimizer
+    t_start = time.time()
+    try:
+        device = pick_device(cfg.device)
+        set_cpu_threads(device, cfg.threads)
+        policy, tok, path = load_policy(cfg.model, device)
+        env_overrides = {"data_dir": cfg.webshop_data} if (cfg.webshop_data and cfg.env == "webshop") else {}
+        ENVS[cfg.env](**env_overrides)  # fail now, not mid-run, on a bad env override
+    except ValueError as e:
+        cli.fail(str(e))
+    amp = autocast_dtype(device)
+    if cfg.lora_rank > 0:
+        wrapped = add_lora(policy, cfg.lora_rank, cfg.lora_alpha)
+        print(f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} on {len(wrapped)} linear layers")
+    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    print(f"trainable parameters: {trainable:,} of {sum(p.numel() for p in policy.parameters()):,}")
+    opt = make_optimizer(policy, cfg.lr)
+    eval_rcfg = rollout_config(cfg, cfg.eval_temperature)
+
+    # ---- data: expert trajectories on training seeds (never eval seeds), train and test disjoint
+    t0 = time.time()
+    train_s, test_s = data_seeds(cfg.seed, cfg.train_trajectories, cfg.test_trajectories)
+    trajs = expert_trajectories(cfg.env, train_s + test_s, eval_rcfg, tok, cfg.expert_actions, env_overrides)
+    train_trajs, test_trajs = trajs[:cfg.train_trajectories], trajs[cfg.train_trajectories:]
+    train_segs = [s for t in train_trajs for s in t.segments]
+    test_segs = [s for t in test_trajs for s in t.segments]
+    per_epoch = math.ceil(len(train_segs) / cfg.batch)
+    cfg.steps = cfg.epochs * per_epoch
+    n_tok = sum(sum(s.loss_mask) for s in train_segs)
+    print(f"expert data: {len(train_segs)} train / {len(test_segs)} test sequences from {len(train_trajs)} / "
+          f"{len(test_trajs)} trajectories (expert success {sum(t.success for t in train_trajs) / len(train_trajs):.3f}"
+          f"), {n_tok / len(train_segs):.1f} trained of {sum(len(s.input_ids) for s in train_segs) / len(train_segs):.0f}"
+          f" tokens per sequence, {time.time() - t0:.1f}s")
+    unknown = unknown_words(tok, trajs)
+    if unknown:
+        print(f"warning: the tokenizer has no tokens for {unknown} in the expert's replies: trained as <unk>")
+    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    print("config:", json.dumps(asdict(cfg)))
+    with open(out / "expert-trajectories.txt", "w") as f:
+        f.write("".join(dump(t, tok) + "\n" for t in train_trajs[:cfg.dump_trajectories]))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.steps))
+
+    # ---- the loop
+    from tqdm import tqdm
+    metrics_path = out / "metrics.jsonl"
+    metrics_path.write_text("")
+    initial_loss = test_loss(policy, test_segs, cfg, tok.pad_token_id, device, amp)
+    best = {"loss": initial_loss, "epoch": 0, "state": trainable_state(policy)}  # epoch 0: the model as loaded
+    print(f"test loss before training: {initial_loss:.4f}")
+    bar = tqdm(range(cfg.steps), total=cfg.steps, desc="SFT", dynamic_ncols=True)
+    policy.train()
+    for it in bar:
+        t0 = time.time()
+        epoch, k = divmod(it, per_epoch)
+        if k == 0:
+            order = batch_order(len(train_segs), cfg.batch, cfg.seed, epoch)
+        m: dict = {"step": it + 1, "epoch": epoch + 1, "train/lr": sched.get_last_lr()[0]}
+
+        # 1. one optimizer step on one batch of expert sequences
+        m.update(sft_step(policy, opt, [train_segs[i] for i in order[k]], cfg, tok.pad_token_id, device, amp))
+        sched.step()
+        m["time/step"] = time.time() - t0
+
+        # 2. end of an epoch: test loss (keep the lowest), optional eval, log
+        if k == per_epoch - 1:
+            t1 = time.time()
+            m["test/loss"] = test_loss(policy, test_segs, cfg, tok.pad_token_id, device, amp)
+            if m["test/loss"] < best["loss"]:
+                best = {"loss": m["test/loss"], "epoch": epoch + 1, "state": trainable_state(policy)}
+            m["test/best_loss"] = best["loss"]
+            m["time/test"] = time.time() - t1
+            if cfg.eval_every and (epoch + 1) % cfg.eval_every == 0:
+                t2 = time.time()
+                em, etrajs = evaluate(cfg.env, eval_rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
+                                      env_overrides=env_overrides)
+                m.update({f"eval/{key}": v for key, v in em.items() if key != "episodes"})
+                m["time/eval"] = time.time() - t2
+        m["time/iteration"] = time.time() - t0
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(m) + "\n")
+        tqdm.write(line(m, cfg.steps))
+    bar.close()
+
+    # ---- export: the lowest-test-loss parameters, LoRA merged, one final eval
+    load_trainable_state(policy, best["state"])
+    merged = merge_lora(policy)
+    policy.eval()
+    save_final(out, policy, tok, cfg)
+    t0 = time.time()
+    em, etrajs = evaluate(cfg.env, eval_rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
+                          env_overrides=env_overrides)
+    with open(out / "trajectories-final.txt", "w") as f:
+        f.write("".join(dump(t, tok) + "\n" for t in etrajs[:cfg.dump_trajectories]))
+    result = {"initial_test_loss": initial_loss, "best_epoch": best["epoch"], "best_test_loss": best["loss"],
+              "lora_layers_merged": merged,
+              **{f"eval/{key}": v for key, v in em.items()}, "time/eval": time.time() - t0,
+              "time/total": time.time() - t_start}
+    (out / "result.json").write_text(json.dumps(result, indent=2))
+    print(f"kept epoch {best['epoch']} (test loss {best['loss']:.4f}); eval success {em['success']:.3f} "
+          f"[{em['success_lo']:.3f}, {em['success_hi']:.3f}] on {em['episodes']} prompts; "
+          f"total {result['time/total']:.0f}s")
+    print(f"final policy: {out / 'final'}")
+    return out
+
+
+def line(m: dict, steps: int) -> str:
+    """The one printed line per optimizer step."""
+    keys = [("loss", "train/loss"), ("ent", "train/entropy"), ("gnorm", "train/grad_norm"), ("lr", "train/lr"),
+            ("test", "test/loss"), ("eval", "eval/success"), ("s", "time/iteration")]
+    parts = [f"step {m['step']}/{steps} ep {m['epoch']}"] + [f"{n} {m[k]:.3g}" for n, k in keys if m.get(k) is not None]
+    return " | ".join(parts)
+
+
+if __name__ == "__main__":
+    main()
