@@ -23,6 +23,9 @@ before it; this counts every page the process touched, so it is slightly pessimi
 short-lived tensor. Where that reset is not allowed, a thread samples VmRSS every millisecond instead (can miss
 peaks shorter than that). Either way the measured path runs with torch.set_num_threads(--threads), default 1:
 with 2 threads small forward/backward passes were erratic on these machines (see the developers' guide).
+
+Deviations from the paper / RAGEN: none; these are measurements, not methods (the paper reports no such
+benchmarks). The `fused` section times fp32 on CPU; the paper's runs use bf16 on GPU.
 """
 
 from __future__ import annotations
