@@ -3,7 +3,7 @@ merged == unmerged), the expert data (rendered through the rollout template, los
 replies, seeds disjoint from the eval seeds), the accumulated loss against a slow per-sequence reference, and a
 subprocess smoke run whose exported folder eval.py loads and scores as the run did.
 
-Run from the repository root:  python -m pytest -q tests/test_sft.py   (about 40 s on one core)
+Run from the repository root:  python -m pytest -q tests/test_sft.py   (about 20 s on one idle core, 60 s shared)
 """
 import copy
 import json
