@@ -10,8 +10,10 @@ Sections (a plain dict below, SECTIONS):
          of 256 (the same 4 chunks per call), stays near two minutes on a 2-core laptop; at so few tokens the
          fixed 519 MiB weight gradient dominates the fused peak, so read the memory target at the issue's shape.
   rollout  generated tokens/s of rollout.rollout (all live episodes of a turn in one batch) against a loop that
-         runs one episode at a time, for P = 8 prompts x N = 16 rollouts on `--model` (default: the tiny
-         policy) in Sokoban at temperature 1.0: medians of --repeats runs, and the ratio within each run.
+         runs one episode at a time, and against the batched loop without the shared prompt header
+         (RolloutConfig.share_prefix=False: every row prefills its whole prompt), for P = 8 prompts x N = 16
+         rollouts on `--model` (default: the tiny policy) in Sokoban at temperature 1.0: medians of --repeats
+         runs, and the ratios within each run.
   prior  the untrained policy on every env, think and no-think, at temperatures 0.5 (eval) and 1.0 (training):
          well-formed replies per turn (issue 3 target >= 90%), valid actions, success, next to the random
          agent's success on the same 64 eval seeds (a markdown table for the README).
@@ -31,6 +33,7 @@ benchmarks). The `fused` section times fp32 on CPU; the paper's runs use bf16 on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import statistics
 import threading
@@ -223,44 +226,51 @@ def bench_rollout(args) -> dict:
     cfg = RolloutConfig(temperature=args.rollout_temperature)
     device = torch.device(args.device)
 
-    def batched(gen):
-        return rollout(args.rollout_env, seeds, groups, cfg, tokenizer=tok, model=model, generator=gen,
+    def batched(gen, c=cfg):
+        return rollout(args.rollout_env, seeds, groups, c, tokenizer=tok, model=model, generator=gen,
                        samples=samples)
+
+    def batched_full_prefill(gen):  # every row prefills its whole prompt, shared header included
+        return batched(gen, dataclasses.replace(cfg, share_prefix=False))
 
     def one_at_a_time(gen):
         return [t for s, g, k in zip(seeds, groups, samples)
                 for t in rollout(args.rollout_env, [s], [g], cfg, tokenizer=tok, model=model, generator=gen,
                                  samples=[k])]
 
-    rates = {"batched": [], "one-at-a-time": []}
+    runs = {"batched": batched, "batched, no shared header": batched_full_prefill, "one-at-a-time": one_at_a_time}
+    rates = {name: [] for name in runs}
     detail = {}
     batched(torch.Generator(device).manual_seed(0))                  # warm-up: kernels, caches (not timed)
     for rep in range(args.repeats):
-        order = ("batched", "one-at-a-time") if rep % 2 == 0 else ("one-at-a-time", "batched")
+        order = list(runs) if rep % 2 == 0 else list(runs)[::-1]
         for name in order:
             gen = torch.Generator(device).manual_seed(rep)
             _sync(device)
             t0 = time.perf_counter()
-            trajs = (batched if name == "batched" else one_at_a_time)(gen)
+            trajs = runs[name](gen)
             _sync(device)
             dt = time.perf_counter() - t0
             tokens = sum(t.response_tokens for tr in trajs for t in tr.turns)
             rates[name].append(tokens / dt)
             detail[name] = (tokens, dt, sum(len(tr.turns) for tr in trajs))
-        ratio = rates["batched"][-1] / rates["one-at-a-time"][-1]
-        rates.setdefault("ratio", []).append(ratio)
+        rates.setdefault("ratio", []).append(rates["batched"][-1] / rates["one-at-a-time"][-1])
+        rates.setdefault("header", []).append(rates["batched"][-1] / rates["batched, no shared header"][-1])
     med = {k: statistics.median(v) for k, v in rates.items()}
     print(f"[rollout] model {args.model} ({path}), env {args.rollout_env}, {P} prompts x {N} rollouts, "
           f"temperature {cfg.temperature}, {device.type}, threads={torch.get_num_threads()}, repeats={args.repeats}")
-    for name in ("batched", "one-at-a-time"):
+    for name in runs:
         tokens, dt, turns = detail[name]
         all_r = ", ".join(f"{r:.0f}" for r in rates[name])
-        print(f"[rollout] {name:14s} {med[name]:8.0f} generated tokens/s (median; all: {all_r}); last run "
+        print(f"[rollout] {name:26s} {med[name]:8.0f} generated tokens/s (median; all: {all_r}); last run "
               f"{tokens} tokens in {turns} turns, {dt:.1f} s")
     print(f"[rollout] batched / one-at-a-time (same run): {med['ratio']:.1f}x (median; all: "
           f"{', '.join(f'{r:.1f}' for r in rates['ratio'])})")
+    print(f"[rollout] shared header / no shared header (same run): {med['header']:.2f}x (median; all: "
+          f"{', '.join(f'{r:.2f}' for r in rates['header'])})")
     return {"tokens_per_s_batched": med["batched"], "tokens_per_s_single": med["one-at-a-time"],
-            "ratio": med["ratio"]}
+            "tokens_per_s_no_shared_header": med["batched, no shared header"], "ratio": med["ratio"],
+            "shared_header_ratio": med["header"]}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -31,9 +31,10 @@ Deviations from the paper / RAGEN (deliberate):
    still run (the issue's rule); RAGEN stops at the first invalid action.
 4. Decoding is our own loop over `model.base_model` + the LM head (not `generate()`), so it works the same on
    transformers 4.x and 5.x, computes logits for the last position only (a [B, T, V] prefill tensor would be
-   ~46 GB for Qwen at 128 x 600 tokens), and drops finished rows from the batch and KV cache. Each turn
-   prefills its whole prompt again (no KV cache kept across turns): simple, and on the tiny policy most of a
-   rollout's time (bench.py rollout).
+   ~46 GB for Qwen at 128 x 600 tokens), and drops finished rows from the batch and KV cache. The prompt
+   header that all rows share is prefilled once per turn and its cache repeated; the rest of each prompt is
+   prefilled again every turn (no KV cache kept across turns): simple, and still most of a rollout's time
+   on the tiny policy (bench.py rollout).
 5. The random agent (the baseline and the tiny policy's warm-up data) draws each action of a turn among the
    actions valid after the previous ones, planned on a copy of the env as the expert's plan is: WebShop's
    clickables change with the page, so a plan drawn from the first page alone would be mostly invalid.
@@ -49,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from envs import make_env
+from starpo import shared_prefix_len
 
 SYSTEM_PROMPT = "You're a helpful assistant."
 ANSWER_RE = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
@@ -66,6 +68,7 @@ class RolloutConfig:
     context_turns: int = 0
     max_new_tokens: int = 100
     temperature: float = 1.0  # 0 = greedy
+    share_prefix: bool = True  # prefill the rows' common prompt header once (speed only: same math, see generate)
 
 
 @dataclass
@@ -202,7 +205,7 @@ def closing_tokens(tokenizer) -> frozenset:
 
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-             generator: torch.Generator | None) -> list[list[int]]:
+             generator: torch.Generator | None, share_prefix: bool = True) -> list[list[int]]:
     """Sample one reply per prompt, all rows in one batch with a KV cache; -> sampled ids per row.
 
     Left padding with explicit position ids (a row's first real token is position 0). Rows that emitted an end
@@ -211,15 +214,20 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     """
     device = next(model.parameters()).device
     B = len(prompts)
-    L = max(len(p) for p in prompts)
+    # The prompt header that every row shares (system prompt, instructions) is prefilled once, as a batch of 1,
+    # and its KV cache repeated to B rows; each row then prefills only the rest, left-padded after the header:
+    # [header | pads | rest], pads masked out, positions counting real tokens only.
+    P = shared_prefix_len(prompts) if (share_prefix and B > 1) else 0
+    L = max(len(p) for p in prompts) - P
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.full((B, L), pad, dtype=torch.long)                     # [B, T]
-    attn = torch.zeros((B, L), dtype=torch.long)                        # [B, T]
+    ids = torch.full((B, L), pad, dtype=torch.long)                     # [B, T] the rows after the header
+    attn = torch.zeros((B, P + L), dtype=torch.long)                    # [B, T] header + rows
+    attn[:, :P] = 1
     for i, p in enumerate(prompts):
-        ids[i, L - len(p):] = torch.tensor(p)
-        attn[i, L - len(p):] = 1
+        ids[i, L - len(p) + P:] = torch.tensor(p[P:])
+        attn[i, P + L - len(p) + P:] = 1
     ids, attn = ids.to(device), attn.to(device)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, P:]                     # [B, T] position of each row token
     head = model.get_output_embeddings()
     stop_ids = {tokenizer.eos_token_id}   # + the model's own end tokens (Qwen2.5: <|im_end|> and <|endoftext|>)
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -230,7 +238,15 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     # transformers >= 5.2x names the KV cache `cache` (`past_key_values` is deprecated, removed in 5.40); 4.x and
     # early 5.x call it `past_key_values`: pass and read it under the name this version's model uses
     cache_kw = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
-    out = model.base_model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True)
+    header = {}
+    if P:
+        past = model.base_model(input_ids=torch.tensor([prompts[0][:P]], device=device), use_cache=True)[cache_kw]
+        if hasattr(past, "batch_repeat_interleave"):
+            past.batch_repeat_interleave(B)
+        else:  # legacy tuple cache
+            past = tuple(tuple(x.repeat_interleave(B, dim=0) for x in layer) for layer in past)
+        header = {cache_kw: past}
+    out = model.base_model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **header)
     past = out[cache_kw]
     hidden = out.last_hidden_state[:, -1]                               # [B, H]
     for _ in range(max_new_tokens):
@@ -313,7 +329,7 @@ def expert_agent(actions_per_turn: int = 1):
             _, _, done, _ = sim.step(a)
             if done:
                 break
-        return plan, "The best plan is " + ", ".join(plan) + "."
+        return plan, "I pick my moves: " + ", ".join(plan) + "."
     return act
 
 
@@ -373,7 +389,8 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
             if tokenizer is not None:
                 sampled = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         else:
-            sampled = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, generator)
+            sampled = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, generator,
+                               cfg.share_prefix)
             # a sampled end-of-turn token is not part of the reply's text: the chat template writes it
             texts = [tokenizer.decode(s[:-1] if s[-1] == tokenizer.eos_token_id else s, skip_special_tokens=False)
                      for s in sampled]

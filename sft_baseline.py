@@ -59,7 +59,7 @@ import cli
 from envs import ENVS, train_seeds
 from eval import evaluate
 from rollout import dump, expert_agent, rollout
-from starpo import make_optimizer, token_logprobs
+from starpo import make_optimizer, shared_prefix_len, token_logprobs
 from train import rollout_config, save_final
 
 # Per-model defaults for fields left at None. Qwen: the paper's (Appendix G). tiny: what trains on a CPU.
@@ -239,8 +239,9 @@ def sft_step(policy, opt, segs, cfg: Config, pad_id: int, device, amp) -> dict:
     ent_sum = torch.zeros((), device=device)
     for part in micro_batches(segs, cfg.micro_batch):
         ids, attn, mask = (x.to(device) for x in pad_segments(part, pad_id))  # [b, T] each
+        pre = shared_prefix_len([s.input_ids for s in part])  # the system prompt + instructions, run once
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            logp, ent = token_logprobs(policy, ids, attn, 1.0, cfg.fused)  # [b, T]
+            logp, ent = token_logprobs(policy, ids, attn, 1.0, cfg.fused, prefix_len=pre)  # [b, T]
         nll = -(logp.float() * mask).sum()
         (nll / n_tok).backward()
         nll_sum += nll.detach()
@@ -264,8 +265,9 @@ def test_loss(policy, segs, cfg: Config, pad_id: int, device, amp) -> float:
     total = torch.zeros((), device=device)
     for part in micro_batches(segs, cfg.micro_batch):
         ids, attn, mask = (x.to(device) for x in pad_segments(part, pad_id))  # [b, T] each
+        pre = shared_prefix_len([s.input_ids for s in part])
         with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            logp, _ = token_logprobs(policy, ids, attn, 1.0, cfg.fused)  # [b, T]
+            logp, _ = token_logprobs(policy, ids, attn, 1.0, cfg.fused, prefix_len=pre)  # [b, T]
         total += -(logp.float() * mask).sum()
     policy.train(was_training)
     return total.item() / sum(sum(s.loss_mask) for s in segs)

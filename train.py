@@ -59,7 +59,8 @@ from envs import ENVS, train_seeds
 from eval import evaluate
 from filter import select_groups
 from rollout import RolloutConfig, dump, rollout
-from starpo import Batch, TokenLogprobs, UpdateConfig, make_optimizer, token_logprobs, update
+from starpo import (Batch, TokenLogprobs, UpdateConfig, make_optimizer, shared_prefix_len, token_logprobs,
+                    update)
 
 PRESETS = {  # the paper's two recipes (section 4.2, Appendix C.2/D); flags typed explicitly win
     "starpo": dict(filter=1.0, kl_coef=0.001, clip_low=0.2, clip_high=0.2),
@@ -433,12 +434,14 @@ def main(argv=None):
             else:
                 adv_traj = torch.zeros(len(kept))
             ids, attn, mask, row_scores, row_adv = collate(kept, adv_traj.tolist(), tok.pad_token_id)
+            pre = shared_prefix_len([s.input_ids for t in kept for s in t.segments])  # the prompt header, run once
             ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
             r = dist.my_range(len(ids))  # this rank computes rows r; gathered, every rank holds the whole batch
             share = lambda fn: dist.gather_rows(per_token(fn, ids[r.start:r.stop], attn[r.start:r.stop],
                                                           cfg.micro_batch), len(ids))
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                lp = lambda model: (lambda i, a: token_logprobs(model, i, a, cfg.temperature, cfg.fused)[0].float())
+                lp = lambda model: (lambda i, a: token_logprobs(model, i, a, cfg.temperature, cfg.fused,
+                                                                prefix_len=pre)[0].float())
                 old_logp = share(lp(policy))                                          # [B, T]
                 ref_logp = share(lp(ref))                                             # [B, T]
                 values = share(lambda i, a: critic(i, a).float()) if critic is not None else None  # [B, T]
@@ -449,7 +452,7 @@ def main(argv=None):
                 adv, returns = gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
                 adv = whiten(adv, mask)  # over the global batch: every rank holds all of it
             batch = Batch(input_ids=ids, attention_mask=attn, loss_mask=mask, old_logp=old_logp,
-                          advantages=adv, ref_logp=ref_logp, returns=returns, old_values=values)
+                          advantages=adv, ref_logp=ref_logp, returns=returns, old_values=values, prefix_len=pre)
             m["time/prep"] = time.time() - t1
 
             # 4. update: online_k passes over the batch (paper Figure 7). The shuffle is the same on every rank

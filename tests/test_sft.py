@@ -176,9 +176,9 @@ def test_unknown_words_names_what_the_tokenizer_lacks():
     cfg = RolloutConfig(context_turns=1)
     trajs = rollout("sokoban", [1000, 1001], [0, 1], cfg, agent=expert_agent(2))
     texts = [f"{r}\n" for r in ("system", "user", "assistant")]
-    texts += [m["content"].replace(" best", "").replace(" plan", "") for t in trajs for m in t.messages]
+    texts += [m["content"].replace(" pick", "").replace(" my", "") for t in trajs for m in t.messages]
     tok = policy.build_tokenizer(texts)
-    assert sft.unknown_words(tok, sft.expert_trajectories("sokoban", [1000, 1001], cfg, tok, 2)) == ["best", "plan"]
+    assert sft.unknown_words(tok, sft.expert_trajectories("sokoban", [1000, 1001], cfg, tok, 2)) == ["my", "pick"]
 
 
 def test_accumulated_step_equals_one_big_batch_and_the_slow_loss():

@@ -250,6 +250,38 @@ def test_token_logprobs_alignment_and_fused_equals_naive_on_a_model():
         assert ent_f[b, t].item() == pytest.approx(-(want.exp() * want).sum().item(), abs=1e-5)
 
 
+def test_shared_prefix_len_is_the_common_start_and_leaves_a_token():
+    assert starpo.shared_prefix_len([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert starpo.shared_prefix_len([[7, 8, 9], [7, 8, 9]]) == 2  # identical rows still keep 1 token after it
+    assert starpo.shared_prefix_len([[1, 2], [3, 2]]) == 0
+    assert starpo.shared_prefix_len([[5, 6, 7]]) == 2 and starpo.shared_prefix_len([]) == 0
+
+
+def test_shared_prefix_path_equals_the_plain_path_values_and_grads():
+    """The prefix run once and repeated must give every row the log-probs and the summed gradients of the
+    plain batched path, with right padding on rows of different lengths."""
+    model = tiny_qwen()
+    gen = torch.Generator().manual_seed(8)
+    B, P, T = 4, 9, 16
+    ids = torch.cat([torch.randint(0, 96, (1, P), generator=gen).expand(B, -1),
+                     torch.randint(0, 96, (B, T - P), generator=gen)], dim=1)
+    attn = torch.ones_like(ids)
+    attn[1, 13:] = 0
+    attn[3, 10:] = 0
+    assert starpo.shared_prefix_len(ids.tolist()) >= P
+    w = torch.randn(B, T, generator=gen) * attn
+    out = {}
+    for pl in (0, P):
+        lp, ent = token_logprobs(model, ids, attn, temperature=0.9, fused=True, chunk_size=5, prefix_len=pl)
+        grads = torch.autograd.grad((lp * w).sum() + (ent * attn).sum(), list(model.parameters()))
+        out[pl] = (lp * attn, ent * attn, grads)
+    assert rel_err(out[P][0], out[0][0]) < 1e-5 and rel_err(out[P][1], out[0][1]) < 1e-5
+    for gp, g0 in zip(out[P][2], out[0][2]):
+        assert rel_err(gp, g0) < 1e-5
+    with pytest.raises(ValueError, match="prefix_len"):
+        token_logprobs(model, ids, attn, prefix_len=T)
+
+
 # --------------------------------------------------------------------------------------------------------
 # update() on a tiny Qwen2
 # --------------------------------------------------------------------------------------------------------
