@@ -92,6 +92,21 @@ def _from_pretrained(cls, path, **kw):
 
 # ----------------------------------------------------------------------------- loading
 
+def model_kind(name: str) -> str:
+    """"tiny" for the embedded policy and for folders holding a model of its size (what train.py or
+    sft_baseline.py saved from it: hidden size <= 256), else "hf"; the entry scripts' per-model defaults
+    (learning rates, budgets) follow it. Read from the folder's config.json, before any weights load."""
+    if name == "tiny":
+        return "tiny"
+    config = Path(name) / "config.json"
+    if config.is_file():
+        try:
+            return "tiny" if json.loads(config.read_text()).get("hidden_size", 1 << 30) <= 256 else "hf"
+        except (OSError, ValueError):
+            return "hf"  # load_policy reports the unreadable folder with its own error
+    return "hf"
+
+
 def load_policy(name: str = "tiny", device: torch.device | str = "cpu", cache_dir: str | None = None,
                 progress: bool = True, tiny: dict | None = None):
     """-> (model, tokenizer, path). `name`: "tiny", a hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or a folder.

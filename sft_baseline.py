@@ -29,8 +29,8 @@ Deviations from the paper / RAGEN (deliberate):
    can use the whole 10-action budget (99.6%). The plan is made on a copy of the env that shares its random
    stream, so on slippery FrozenLake a turn's later moves already know the earlier moves' slips (eval.py's
    ceiling has the same foresight); the policy cannot see them, so those labels are partly noise. The thought
-   is rollout.expert_agent's truthful template ("The best plan is Up, Left."); a tokenizer that lacks its
-   words (the tiny one lacks "best" and "plan") trains <unk> there, reported at start-up; the answer is intact.
+   is rollout.expert_agent's truthful template ("I pick my moves: Up, Left.", words the tiny vocabulary has);
+   words a tokenizer lacks would train as <unk>, and are reported at start-up.
 3. Every expert trajectory is kept, solved or not: each of its actions is the expert's choice in the state it
    saw (keeping only solved FrozenLake episodes would select lucky slips, not better actions).
 4. The learning rate warms up linearly over the first 5% of the optimizer steps, then decays to 0 on a cosine
@@ -64,8 +64,8 @@ from train import rollout_config, save_final
 
 # Per-model defaults for fields left at None. Qwen: the paper's (Appendix G). tiny: what trains on a CPU.
 MODEL_DEFAULTS = {
-    "tiny": dict(lr=1e-3, lora_rank=0, context_turns=1),
-    "hf": dict(lr=1e-4, lora_rank=64, context_turns=0),
+    "tiny": dict(lr=3e-3, lora_rank=0, context_turns=1, epochs=10, batch=32, micro_batch=32),
+    "hf": dict(lr=1e-4, lora_rank=64, context_turns=0, epochs=5, batch=128, micro_batch=4),
 }
 WARMUP_FRACTION = 0.05
 MAX_GRAD_NORM = 1.0
@@ -85,10 +85,11 @@ class Config:
     think: bool = cli.flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
     context_turns: int | None = cli.flag(None, "history window: 0 = whole conversation, K = last K turns "
                                                "(default: tiny 1, hub models 0)")
-    epochs: int = cli.flag(5, "passes over the training data")
-    batch: int = cli.flag(128, "training sequences per optimizer step")
-    micro_batch: int = cli.flag(4, "training sequences per forward/backward (gradient accumulation)")
-    lr: float | None = cli.flag(None, "peak learning rate (default: tiny 1e-3, hub models 1e-4)")
+    epochs: int | None = cli.flag(None, "passes over the training data (default: tiny 10, hub models 5)")
+    batch: int | None = cli.flag(None, "training sequences per optimizer step (default: tiny 32, hub models 128)")
+    micro_batch: int | None = cli.flag(None, "training sequences per forward/backward, gradient accumulation "
+                                             "(default: tiny 32, hub models 4)")
+    lr: float | None = cli.flag(None, "peak learning rate (default: tiny 3e-3, hub models 1e-4)")
     lora_rank: int | None = cli.flag(None, "LoRA rank r, 0 = full fine-tuning (default: tiny 0, hub models 64)")
     lora_alpha: float = cli.flag(32.0, "LoRA alpha (the update is scaled by alpha / r)")
     eval_every: int = cli.flag(0, "also evaluate every this many epochs (0 = only the kept policy, at the end)")
@@ -108,7 +109,8 @@ class Config:
 
 def derive(cfg: Config, explicit: set[str]) -> Config:
     """Per-model defaults, sizes that follow from the flags, and one-line errors for bad values."""
-    kind = "tiny" if cfg.model == "tiny" else "hf"
+    from policy import model_kind
+    kind = model_kind(cfg.model)  # tiny-sized folders (a tiny run's final/) get the tiny defaults too
     for k, v in MODEL_DEFAULTS[kind].items():
         if getattr(cfg, k) is None:
             setattr(cfg, k, v)

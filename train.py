@@ -128,7 +128,8 @@ class Config:
 
 def derive(cfg: Config, explicit: set[str]) -> Config:
     """Per-model defaults, sizes that follow from the flags, and one-line errors for bad values."""
-    kind = "tiny" if cfg.model == "tiny" else "hf"
+    from policy import model_kind
+    kind = model_kind(cfg.model)  # tiny-sized folders (a tiny run's final/) get the tiny defaults too
     for k, v in MODEL_DEFAULTS[kind].items():
         if getattr(cfg, k) is None:
             setattr(cfg, k, v)
