@@ -14,6 +14,8 @@ Sections (a plain dict below, SECTIONS):
          (RolloutConfig.share_prefix=False: every row prefills its whole prompt), for P = 8 prompts x N = 16
          rollouts on `--model` (default: the tiny policy) in Sokoban at temperature 1.0: medians of --repeats
          runs, and the ratios within each run.
+  prefix forward + backward of starpo.token_logprobs on one batch of 32 SFT rows (1-turn Sokoban windows of
+         the expert) with the prompt header that all rows share run once (prefix_len) vs in every row.
   prior  the untrained policy on every env, think and no-think, at temperatures 0.5 (eval) and 1.0 (training):
          well-formed replies per turn (issue 3 target >= 90%), valid actions, success, next to the random
          agent's success on the same 64 eval seeds (a markdown table for the README).
@@ -274,6 +276,44 @@ def bench_rollout(args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Section: prefix
+# ----------------------------------------------------------------------------------------------------------
+
+def bench_prefix(args) -> dict:
+    """Forward + backward of token_logprobs on one SFT batch with the shared prompt header run once vs per row."""
+    from rollout import RolloutConfig, expert_agent, rollout
+    from starpo import shared_prefix_len, token_logprobs
+    from policy import pad_segments
+    model, tok, path = _load(args)
+    model.train()
+    cfg = RolloutConfig(context_turns=1)  # sft_baseline.py's tiny default: one example per turn
+    seeds = list(range(10_000, 10_000 + args.prefix_rows))
+    trajs = rollout(args.rollout_env, seeds, list(range(len(seeds))), cfg, tokenizer=tok, agent=expert_agent(2))
+    segs = [s for t in trajs for s in t.segments][:args.prefix_rows]
+    ids, attn, mask = (x.to(args.device) for x in pad_segments(segs, tok.pad_token_id))  # [B, T]
+    shared = shared_prefix_len([s.input_ids for s in segs])
+    times = {"plain": [], "shared header": []}
+    for rep in range(args.repeats + 1):  # the first round warms up, untimed
+        for name, pre in (("plain", 0), ("shared header", shared))[::1 if rep % 2 == 0 else -1]:
+            model.zero_grad(set_to_none=True)
+            _sync(torch.device(args.device))
+            t0 = time.perf_counter()
+            logp, _ = token_logprobs(model, ids, attn, 1.0, True, prefix_len=pre)
+            (-(logp * mask).sum() / mask.sum()).backward()
+            _sync(torch.device(args.device))
+            if rep:
+                times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"[prefix] model {args.model} ({path}), {args.rollout_env} 1-turn windows, {len(segs)} rows of "
+          f"{ids.shape[1]} tokens, {shared} shared, repeats={args.repeats}")
+    for name, v in times.items():
+        print(f"[prefix] {name:14s} {med[name]:.3f} s per forward+backward (median; all: "
+              f"{', '.join(f'{x:.3f}' for x in v)})")
+    print(f"[prefix] plain / shared header: {med['plain'] / med['shared header']:.2f}x")
+    return {"plain_s": med["plain"], "shared_s": med["shared header"], "shared_tokens": shared}
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Section: prior
 # ----------------------------------------------------------------------------------------------------------
 
@@ -323,6 +363,7 @@ def bench_prior(args) -> dict:
 SECTIONS = {
     "fused": bench_fused,
     "rollout": bench_rollout,
+    "prefix": bench_prefix,
     "prior": bench_prior,
 }
 
@@ -345,6 +386,7 @@ def main(argv=None):
     parser.add_argument("--rollout-prompts", type=int, default=8, help="P prompts (paper: 8)")
     parser.add_argument("--rollout-n", type=int, default=16, help="N rollouts per prompt (paper: 16)")
     parser.add_argument("--rollout-temperature", type=float, default=1.0, help="training temperature 1.0")
+    parser.add_argument("--prefix-rows", type=int, default=32, help="SFT rows per batch (the tiny default 32)")
     parser.add_argument("--prior-episodes", type=int, default=64, help="episodes per env/mode/temperature")
     parser.add_argument("--prior-temperatures", default="0.5,1.0", help="eval 0.5, training 1.0")
     args = parser.parse_args(argv)

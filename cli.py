@@ -40,13 +40,14 @@ def build_parser(cls, description: str) -> argparse.ArgumentParser:
         help_ = f.metadata.get("help", "")
         tp, nargs = _parse_type(hints[f.name])
         # default=SUPPRESS: only flags the user typed land in the namespace (presets must not override them)
+        if "(default:" not in help_:  # per-model defaults (None here) say their values in the help itself
+            help_ = f"{help_} (default: {f.default})"
         if tp is bool:
             parser.add_argument(name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=f"{help_} (default: {f.default})")
+                                help=help_)
         else:
             parser.add_argument(name, type=tp, nargs=nargs, choices=f.metadata.get("choices"),
-                                default=argparse.SUPPRESS, metavar=f.name.upper(),
-                                help=f"{help_} (default: {f.default})")
+                                default=argparse.SUPPRESS, metavar=f.name.upper(), help=help_)
     return parser
 
 
@@ -59,6 +60,20 @@ def parse(cls, argv=None, description: str = "", presets: dict | None = None, pr
         values.update(presets[given[preset_field]])
     values.update(given)
     return cls(**values), set(given)
+
+
+def fill_defaults(cfg, defaults: dict) -> None:
+    """Set every field of `cfg` that is still None to its value in `defaults` (the per-model defaults)."""
+    for k, v in defaults.items():
+        if getattr(cfg, k) is None:
+            setattr(cfg, k, v)
+
+
+def check(rules: list[tuple[bool, str]]) -> None:
+    """Raise ValueError with the message of the first (ok, message) rule that does not hold."""
+    for ok, message in rules:
+        if not ok:
+            raise ValueError(message)
 
 
 def fail(message: str, prog: str | None = None) -> typing.NoReturn:

@@ -19,8 +19,9 @@ Deviations from the paper / RAGEN (deliberate):
 1. All randomness of iteration i (training seeds, sampling, mini-batch order) is derived from (seed, i), so
    `--resume` reproduces an uninterrupted run exactly without saving generator states.
 2. Defaults for `--model tiny` (steps, learning rates, eval prompts) are chosen so that the main command
-   finishes in about 20 minutes on a 2-core CPU; the paper's values are the `--model Qwen/...` defaults and
-   are printed in the README's GPU command.
+   finishes within 20 minutes on a 2-core CPU; they also apply to folders holding a model of the tiny one's
+   size (policy.model_kind). The paper's values are the defaults of every other model and are printed in
+   the README's GPU command.
 3. With the filter on, the old log-probs, values and reference log-probs are computed only for the kept
    groups (the dropped ones never enter the update, so computing them would be wasted work).
 4. A batch whose groups all have zero reward std is logged (`train/skipped_zero_std` = 1) and its update is
@@ -129,11 +130,8 @@ class Config:
 def derive(cfg: Config, explicit: set[str]) -> Config:
     """Per-model defaults, sizes that follow from the flags, and one-line errors for bad values."""
     from policy import model_kind
-    kind = model_kind(cfg.model)  # tiny-sized folders (a tiny run's final/) get the tiny defaults too
-    for k, v in MODEL_DEFAULTS[kind].items():
-        if getattr(cfg, k) is None:
-            setattr(cfg, k, v)
-    checks = [
+    cli.fill_defaults(cfg, MODEL_DEFAULTS[model_kind(cfg.model)])  # tiny-sized folders get the tiny ones too
+    cli.check([
         (0 < cfg.filter <= 1, f"--filter {cfg.filter}: must be in (0, 1]"),
         (cfg.prompts >= 1, f"--prompts {cfg.prompts}: must be >= 1"),
         (cfg.rollouts >= 2, f"--rollouts {cfg.rollouts}: must be >= 2 (a group needs a spread)"),
@@ -156,10 +154,7 @@ def derive(cfg: Config, explicit: set[str]) -> Config:
         (1 <= cfg.eval_prompts <= 256, f"--eval-prompts {cfg.eval_prompts}: must be in 1..256"),
         (cfg.seed >= 0, f"--seed {cfg.seed}: must be >= 0"),
         (cfg.threads >= 1, f"--threads {cfg.threads}: must be >= 1"),
-    ]
-    for ok, msg in checks:
-        if not ok:
-            raise ValueError(msg)
+    ])
     cfg.groups_kept = max(1, int(cfg.filter * cfg.prompts))
     cfg.out = cfg.out or f"runs/{cfg.env}-{cfg.algo}-s{cfg.seed}"
     return cfg

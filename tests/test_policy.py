@@ -251,3 +251,17 @@ def test_pad_segments():
     assert ids.tolist() == [[5, 6, 7], [8, 1, 1]]
     assert attn.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert mask.tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]] and mask.dtype == torch.float32
+
+
+def test_model_kind_follows_the_model_size(tmp_path):
+    """Per-model defaults: "tiny" and folders of its size get the tiny ones, everything else the paper's."""
+    assert policy.model_kind("tiny") == "tiny"
+    assert policy.model_kind("Qwen/Qwen2.5-0.5B-Instruct") == "hf"  # a hub id: no local config
+    for hidden, kind in [(128, "tiny"), (896, "hf")]:
+        folder = tmp_path / f"h{hidden}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": hidden}))
+        assert policy.model_kind(str(folder)) == kind
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{not json")
+    assert policy.model_kind(str(tmp_path / "broken")) == "hf"
