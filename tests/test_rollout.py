@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import policy  # noqa: E402
 import rollout as R  # noqa: E402
 from envs import ENVS, make_env  # noqa: E402
+from starpo import shared_prefix_len  # noqa: E402
 
 torch.set_num_threads(1)  # see the developers' guide
 
@@ -171,7 +172,9 @@ def test_mask_is_exactly_the_sampled_replies(request, which, env, think):
 def test_batched_equals_one_at_a_time_under_greedy(small):
     """Identical trajectories under greedy decoding, on models whose batches are ragged: rows stop at different
     lengths within a turn and leave at different turns. Random models are tried in turn until one shows both
-    (typically the first or second); every one tried must give identical trajectories."""
+    (typically the first or second); every one tried must give identical trajectories. The batched rollout
+    also takes the shared-header path (the prompt header prefilled once and its cache repeated), the single
+    one does not, so this checks that path too."""
     tok = small[1]
     seeds = SEEDS[:8]
     for model_seed in range(6):
@@ -187,6 +190,7 @@ def test_batched_equals_one_at_a_time_under_greedy(small):
                 assert a.segments[0].loss_mask == b.segments[0].loss_mask
                 assert [(t.reply, t.actions, t.reward) for t in a.turns] == \
                     [(t.reply, t.actions, t.reward) for t in b.turns]
+            assert shared_prefix_len([tr.segments[0].input_ids for tr in batched]) > 20  # the header is shared
             lengths |= {t.response_tokens for tr in batched for t in tr.turns}
             turns |= {len(tr.turns) for tr in batched}
         if len(lengths) > 3 and len(turns) > 1:
