@@ -331,7 +331,7 @@ def bench_prior(args) -> dict:
           f"{seeds[0]}..{seeds[-1]}), budgets 5 turns / 5 per turn / 10 per episode, {device.type}")
     print("[prior] parsed = well-formed turns / turns; valid = valid actions / actions attempted; "
           "success = episodes; random = the random agent's success on the same seeds")
-    head = f"| env | mode | " + " | ".join(f"T={t:g} parsed | valid | success" for t in temps) + " | random |"
+    head = "| env | mode | " + " | ".join(f"T={t:g} parsed | valid | success" for t in temps) + " | random |"
     print("[prior] " + head)
     print("[prior] " + "|---" * (3 + 3 * len(temps)) + "|")
     results, t0 = {}, time.perf_counter()

@@ -45,7 +45,6 @@ import math
 import os
 import shutil
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -320,7 +319,7 @@ def main(argv=None):
         cfg = derive(cfg, explicit)
     except (ValueError, FileNotFoundError) as e:
         cli.fail(str(e))
-    from policy import Critic, autocast_dtype, load_critic, load_policy, pick_device, set_cpu_threads
+    from policy import autocast_dtype, load_critic, load_policy, pick_device, set_cpu_threads
 
     # ---- processes: one under plain python; under torchrun one per GPU/CPU share, all with the whole model
     try:

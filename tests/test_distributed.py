@@ -189,16 +189,6 @@ def test_two_processes_filter_update_and_drift(tmp_path):
 
 # ------------------------------------------------------------------------------------------- torchrun train.py
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    torch.set_num_threads(1)
-    from policy import ensure_tiny
-    return ensure_tiny(str(tmp_path_factory.mktemp("tiny")), progress=False,
-                       warmup=dict(steps=60, episodes_per_env=64),
-                       model_cfg=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2),
-                       envs=["bandit"])
-
-
 def torchrun(args, cwd):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--local-addr", "127.0.0.1", "--master-port", str(free_port()),
@@ -213,10 +203,10 @@ def rows(path):
     return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
 
 
-def test_torchrun_train_same_weights_on_both_ranks_and_resume(small, tmp_path):
+def test_torchrun_train_same_weights_on_both_ranks_and_resume(bandit_tiny, tmp_path):
     from policy import load_critic, load_policy
     # PPO (a DDP critic too), a 1-turn window (several rows per trajectory, uneven shares), mini-batches of 5
-    common = ["--env", "bandit", "--no-think", "--model", small, "--lr", "1e-3", "--critic-lr", "1e-3",
+    common = ["--env", "bandit", "--no-think", "--model", bandit_tiny, "--lr", "1e-3", "--critic-lr", "1e-3",
               "--algo", "ppo", "--context-turns", "1", "--prompts", "4", "--rollouts", "4", "--filter", "0.5",
               "--mini-batch", "5", "--micro-batch", "2", "--eval-every", "0", "--eval-prompts", "4",
               "--save-every", "1"]

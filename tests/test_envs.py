@@ -169,7 +169,7 @@ def lake_policy_success(board, T, policy):
 
 
 def lake_shortest(board, start):
-    n, dist, todo = len(board), {start: 0}, deque([start])
+    dist, todo = {start: 0}, deque([start])
     while todo:
         q = todo.popleft()
         if board[q[0]][q[1]] == "G":

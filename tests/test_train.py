@@ -27,17 +27,6 @@ KEYS = ["rollout/reward_mean", "rollout/success", "rollout/in_group_std", "rollo
         "train/skipped_nonfinite", "time/rollout", "time/iteration"]
 
 
-@pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    import torch
-    torch.set_num_threads(1)
-    from policy import ensure_tiny
-    return ensure_tiny(str(tmp_path_factory.mktemp("tiny")), progress=False,
-                       warmup=dict(steps=60, episodes_per_env=64),
-                       model_cfg=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2),
-                       envs=["bandit"])
-
-
 def run(args, cwd, check=True):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     p = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
@@ -50,11 +39,11 @@ def read_jsonl(path):
     return [json.loads(l) for l in Path(path).read_text().splitlines() if l.strip()]
 
 
-def test_train_smoke_writes_metrics_dumps_checkpoint_and_final(small, tmp_path):
+def test_train_smoke_writes_metrics_dumps_checkpoint_and_final(bandit_tiny, tmp_path):
     out = tmp_path / "run"
-    run([str(ROOT / "train.py"), "--env", "bandit", "--no-think", "--model", small, "--lr", "1e-3", "--steps", "2",
-         "--prompts", "8", "--rollouts", "4", "--filter", "0.5", "--eval-every", "2", "--eval-prompts", "8",
-         "--out", str(out)], tmp_path)
+    run([str(ROOT / "train.py"), "--env", "bandit", "--no-think", "--model", bandit_tiny, "--lr", "1e-3",
+         "--steps", "2", "--prompts", "8", "--rollouts", "4", "--filter", "0.5", "--eval-every", "2",
+         "--eval-prompts", "8", "--out", str(out)], tmp_path)
     rows = read_jsonl(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     trained = [r for r in rows if r["train/skipped_zero_std"] == 0]
@@ -73,10 +62,10 @@ def test_train_smoke_writes_metrics_dumps_checkpoint_and_final(small, tmp_path):
     assert json.loads((tmp_path / "e.json").read_text())["rollout"]["max_turns"] == 5
 
 
-def test_resume_reproduces_an_uninterrupted_run(small, tmp_path):
-    common = [str(ROOT / "train.py"), "--env", "bandit", "--no-think", "--algo", "ppo", "--model", small, "--lr", "1e-3",
-              "--critic-lr", "1e-3", "--prompts", "8", "--rollouts", "4", "--filter", "0.5", "--eval-every", "0",
-              "--eval-prompts", "4", "--save-every", "2"]
+def test_resume_reproduces_an_uninterrupted_run(bandit_tiny, tmp_path):
+    common = [str(ROOT / "train.py"), "--env", "bandit", "--no-think", "--algo", "ppo", "--model", bandit_tiny,
+              "--lr", "1e-3", "--critic-lr", "1e-3", "--prompts", "8", "--rollouts", "4", "--filter", "0.5",
+              "--eval-every", "0", "--eval-prompts", "4", "--save-every", "2"]
     run(common + ["--steps", "4", "--out", str(tmp_path / "a")], tmp_path)
     run(common + ["--steps", "2", "--out", str(tmp_path / "b")], tmp_path)
     p = run([str(ROOT / "train.py"), "--resume", str(tmp_path / "b"), "--steps", "4"], tmp_path)
@@ -111,8 +100,8 @@ def test_eval_scripted_floor_and_ceiling_and_table(tmp_path):
     res = json.loads((tmp_path / "x.json").read_text())["results"]
     assert res["sokoban"]["success"] >= 0.95 and res["sokoban"]["valid_action"] == 1.0
     assert "| sokoban |" in p.stdout and "| frozenlake |" in p.stdout
-    r = run([str(ROOT / "eval.py"), "--env", "sokoban", "--policy", "random", "--prompts", "32", "--json",
-             str(tmp_path / "r.json")], tmp_path)
+    run([str(ROOT / "eval.py"), "--env", "sokoban", "--policy", "random", "--prompts", "32", "--json",
+         str(tmp_path / "r.json")], tmp_path)
     assert json.loads((tmp_path / "r.json").read_text())["results"]["sokoban"]["success"] < 0.5
     bad = run([str(ROOT / "eval.py"), "--envs", "sokoban,chess"], tmp_path, check=False)
     assert bad.returncode == 2 and "chess" in bad.stderr and "Traceback" not in bad.stderr
@@ -131,7 +120,7 @@ def test_presets_and_explicit_flags():
     assert (cfg.lr, cfg.critic_lr) == (1e-6, 1e-5)
 
 
-def test_plot_writes_png(small, tmp_path):
+def test_plot_writes_png(bandit_tiny, tmp_path):
     for name, std in (("a", 0.5), ("b", 0.05)):
         d = tmp_path / name
         d.mkdir()
