@@ -42,7 +42,6 @@ Deviations from the paper / RAGEN (deliberate):
 from __future__ import annotations
 
 import copy
-import inspect
 import random
 import re
 from dataclasses import dataclass, field
@@ -50,7 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from envs import make_env
-from starpo import shared_prefix_len
+from starpo import cache_keyword, prefill_shared_prefix, shared_prefix_len
 
 SYSTEM_PROMPT = "You're a helpful assistant."
 ANSWER_RE = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
@@ -235,17 +234,8 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     closers = closing_tokens(tokenizer)
     out_ids: list[list[int]] = [[] for _ in range(B)]
     rows = torch.arange(B)                                              # which original rows are still live
-    # transformers >= 5.2x names the KV cache `cache` (`past_key_values` is deprecated, removed in 5.40); 4.x and
-    # early 5.x call it `past_key_values`: pass and read it under the name this version's model uses
-    cache_kw = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
-    header = {}
-    if P:
-        past = model.base_model(input_ids=torch.tensor([prompts[0][:P]], device=device), use_cache=True)[cache_kw]
-        if hasattr(past, "batch_repeat_interleave"):
-            past.batch_repeat_interleave(B)
-        else:  # legacy tuple cache
-            past = tuple(tuple(x.repeat_interleave(B, dim=0) for x in layer) for layer in past)
-        header = {cache_kw: past}
+    cache_kw = cache_keyword(model)  # the KV cache's name differs between transformers versions
+    header = prefill_shared_prefix(model, torch.tensor([prompts[0][:P]], device=device), B)[1] if P else {}
     out = model.base_model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **header)
     past = out[cache_kw]
     hidden = out.last_hidden_state[:, -1]                               # [B, H]

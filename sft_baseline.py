@@ -226,20 +226,27 @@ def micro_batches(segs, micro: int):
     return [segs[i:i + micro] for i in range(0, len(segs), micro)]
 
 
+def masked_logprobs(policy, part, cfg: Config, pad_id: int, device, amp):
+    """One micro-batch of segments -> log-probs and entropies [b, T] and the loss mask [b, T] (fused path; the
+    system prompt + instructions that every row shares run once, starpo.shared_prefix_len)."""
+    from policy import pad_segments
+    ids, attn, mask = (x.to(device) for x in pad_segments(part, pad_id))  # [b, T] each
+    pre = shared_prefix_len([s.input_ids for s in part])
+    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+        logp, ent = token_logprobs(policy, ids, attn, 1.0, cfg.fused, prefix_len=pre)  # [b, T]
+    return logp, ent, mask
+
+
 def sft_step(policy, opt, segs, cfg: Config, pad_id: int, device, amp) -> dict:
     """One optimizer step on `segs`: token-mean cross-entropy on the mask, accumulated over micro-batches.
 
     Each micro-batch's summed NLL is divided by the token count of the whole batch, so the accumulated gradient
     equals one big batch's. Metrics stay tensors until the single host sync at the end."""
-    from policy import pad_segments
     n_tok = sum(sum(s.loss_mask) for s in segs)  # host ints: known before any forward
     nll_sum = torch.zeros((), device=device)
     ent_sum = torch.zeros((), device=device)
     for part in micro_batches(segs, cfg.micro_batch):
-        ids, attn, mask = (x.to(device) for x in pad_segments(part, pad_id))  # [b, T] each
-        pre = shared_prefix_len([s.input_ids for s in part])  # the system prompt + instructions, run once
-        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            logp, ent = token_logprobs(policy, ids, attn, 1.0, cfg.fused, prefix_len=pre)  # [b, T]
+        logp, ent, mask = masked_logprobs(policy, part, cfg, pad_id, device, amp)  # [b, T] each
         nll = -(logp.float() * mask).sum()
         (nll / n_tok).backward()
         nll_sum += nll.detach()
@@ -257,15 +264,11 @@ def sft_step(policy, opt, segs, cfg: Config, pad_id: int, device, amp) -> dict:
 @torch.no_grad()
 def test_loss(policy, segs, cfg: Config, pad_id: int, device, amp) -> float:
     """Token-mean cross-entropy of the policy on the mask of `segs` (the checkpoint criterion)."""
-    from policy import pad_segments
     was_training = policy.training
     policy.eval()
     total = torch.zeros((), device=device)
     for part in micro_batches(segs, cfg.micro_batch):
-        ids, attn, mask = (x.to(device) for x in pad_segments(part, pad_id))  # [b, T] each
-        pre = shared_prefix_len([s.input_ids for s in part])
-        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-            logp, _ = token_logprobs(policy, ids, attn, 1.0, cfg.fused, prefix_len=pre)  # [b, T]
+        logp, _, mask = masked_logprobs(policy, part, cfg, pad_id, device, amp)  # [b, T] each
         total += -(logp.float() * mask).sum()
     policy.train(was_training)
     return total.item() / sum(sum(s.loss_mask) for s in segs)

@@ -369,6 +369,26 @@ def shared_prefix_len(rows: list[list[int]]) -> int:
     return max(0, n)
 
 
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The name of `model.base_model`'s KV-cache argument and output: `cache` in transformers >= 5.2x
+    (`past_key_values` is deprecated there, removed in 5.40), `past_key_values` in 4.x and early 5.x."""
+    return "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
+
+
+def prefill_shared_prefix(model: torch.nn.Module, prefix: torch.Tensor, rows: int) -> tuple[torch.Tensor, dict]:
+    """Run the prefix [1, P] that `rows` rows share through `model.base_model` once; -> its last hidden states
+    [1, P, H] and its KV cache repeated to `rows` rows, as {keyword: cache} to pass on with the rows' tokens.
+    The repeat is part of the autograd graph: under grad, the prefix receives the sum of the rows' gradients."""
+    kw = cache_keyword(model)
+    out = model.base_model(input_ids=prefix, use_cache=True)
+    cache = out[kw]
+    if hasattr(cache, "batch_repeat_interleave"):
+        cache.batch_repeat_interleave(rows)
+    else:  # legacy tuple cache
+        cache = tuple(tuple(x.repeat_interleave(rows, dim=0) for x in layer) for layer in cache)
+    return out.last_hidden_state, {kw: cache}
+
+
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    temperature: float = 1.0, fused: bool = True,
                    chunk_size: int = 1024, prefix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -382,9 +402,9 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 
     `prefix_len=P > 0` (fused only): the caller promises that the first P tokens are the same, unpadded, in
     every row (`shared_prefix_len`). The backbone then runs them once, as a batch of 1, and the B rows
-    run only their remaining T - P tokens on top of that prefix's keys and values, repeated B times. The repeat is part
-    of the autograd graph, so the prefix receives the sum of the rows' gradients: values and gradients are
-    those of the plain path (tested), at (T - P) / T of its backbone cost.
+    run only their remaining T - P tokens on top of that prefix's keys and values, repeated B times
+    (`prefill_shared_prefix`): values and gradients are those of the plain path (tested), at (T - P) / T of
+    its backbone cost.
     """
     if isinstance(model, TokenLogprobs) or isinstance(getattr(model, "module", None), TokenLogprobs):
         return model(input_ids, attention_mask, temperature, fused, chunk_size, prefix_len)  # through DDP's forward
@@ -400,21 +420,13 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     targets = input_ids[:, 1:].reshape(-1)  # [B*(T-1)]
     if not 0 <= prefix_len < T:
         raise ValueError(f"prefix_len must be in 0..{T - 1} (T = {T}), got {prefix_len}")
-    if fused and prefix_len > 0:
-        P = prefix_len
-        # the KV cache's keyword is `cache` in transformers >= 5.2x, `past_key_values` before (as rollout.generate)
-        cache_kw = "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
-        pre = model.base_model(input_ids=input_ids[:1, :P], use_cache=True)  # one row runs the shared prefix
-        cache = pre[cache_kw]
-        if hasattr(cache, "batch_repeat_interleave"):  # its keys/values for every row; differentiable
-            cache.batch_repeat_interleave(B)
-        else:  # legacy tuple cache
-            cache = tuple(tuple(x.repeat_interleave(B, dim=0) for x in layer) for layer in cache)
-        rest = model.base_model(input_ids=input_ids[:, P:], attention_mask=attention_mask, use_cache=True,
-                                **{cache_kw: cache}).last_hidden_state  # [B, T-P, H], positions P..T-1
-        hidden = torch.cat([pre.last_hidden_state.expand(B, -1, -1), rest], dim=1)  # [B, T, H]
     if fused:
-        if prefix_len == 0:
+        if prefix_len > 0:  # one row runs the shared prefix; the B rows run the rest on its repeated cache
+            pre, cache = prefill_shared_prefix(model, input_ids[:1, :prefix_len], B)  # [1, P, H]
+            rest = model.base_model(input_ids=input_ids[:, prefix_len:], attention_mask=attention_mask,
+                                    use_cache=True, **cache).last_hidden_state  # [B, T-P, H], positions P..T-1
+            hidden = torch.cat([pre.expand(B, -1, -1), rest], dim=1)  # [B, T, H]
+        else:
             hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                       use_cache=False).last_hidden_state  # [B, T, H]
         head = model.get_output_embeddings()
