@@ -12,11 +12,15 @@ fp32 master weights, bf16 autocast on CUDA only.
 Deviations from the paper / RAGEN (deliberate):
 1. `--model tiny` (default) is ~1M parameters and its vocabulary is the environments' own words: the paper's
    0.5B model cannot be downloaded or trained in minutes on a 2-core CPU. The Qwen path is one flag away.
-2. The tiny policy's "instruction tuning" is a language-model warm-up on the replies (the mask = 1 tokens) of
+2. The tiny policy's "pre-training + instruction tuning" is one language-model warm-up on the conversations of
    uniformly random agents, rendered exactly as rollout.py renders them (both think modes, full conversations
-   and 1-turn history windows); every optimizer step holds one micro-batch of every env. Its thought is a fixed
-   sentence, so the prior knows the format and each env's action words but not the tasks: its success stays
-   near the random agent's (`python bench.py prior` prints both per env).
+   and 1-turn history windows); every optimizer step holds one micro-batch of every env. Its loss is the mean
+   next-token loss on the replies (the mask = 1 tokens) plus the same mean on every other token (prompts,
+   boards, feedback), as a pre-trained LM has modelled text: measured, a prior trained on the replies alone
+   could not read a board's columns, and SFT on the expert then sat at chance for 100-450 steps
+   (sft_baseline.py). Its thought is a fixed sentence and its actions are random, so the prior knows the
+   format, each env's action words and what its boards look like, but not the tasks: its success stays near
+   the random agent's (`python bench.py prior` prints both per env).
 3. The tiny tokenizer is word-level (pieces keep their leading space, the newline is a token), and each tag
    with its leading space is one token (" </think>", " <answer>", " </answer>"), as is " ||". Measured with
    the same warm-up: with a separate " " before every tag, think-mode replies were well-formed in 1-5% of
@@ -42,14 +46,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-TINY_VERSION = 2  # bump to force a rebuild of cached tiny policies after a change of the warm-up itself
+TINY_VERSION = 3  # bump to force a rebuild of cached tiny policies after a change of the warm-up itself
 TINY_MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0,
                   tie_word_embeddings=True)
 # Measured on 1 thread (`python bench.py prior` prints the table): 100 steps of ~4k tokens (a micro-batch of
 # each of the 7 envs per step) at peak lr 6e-3, ~80 s, give well-formed replies in >= 98% of turns on every env,
 # think and no-think, at temperature 0.5 and 1.0 (32 episodes a row: lr 3e-3 gave >= 95%, 70 steps >= 97%).
-TINY_WARMUP = dict(episodes_per_env=240, steps=100, batch=32, batch_tokens=6144, lr=6e-3, seed=0)
+TINY_WARMUP = dict(episodes_per_env=240, steps=100, batch=32, batch_tokens=6144, lr=6e-3, seed=0, obs_weight=1.0)
 SPECIAL = dict(pad="<|endoftext|>", bos="<|im_start|>", eos="<|im_end|>", unk="<unk>")
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
 # Word-level pieces: a capitalised or lower-case word, one capital letter (grid symbols), one digit, the action
@@ -260,7 +264,8 @@ def ensure_tiny(cache_dir: str | None = None, progress: bool = True, warmup: dic
 
 
 def warm_up(tok, data, model_cfg: dict, warmup: dict, progress: bool):
-    """Language-model warm-up on the sampled (mask = 1) tokens of random-agent trajectories."""
+    """Language-model warm-up on random-agent trajectories: mean NLL of the sampled (mask = 1) tokens plus
+    `obs_weight` x mean NLL of the other real tokens (the observations and the template)."""
     from tqdm import tqdm
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from rollout import RolloutConfig, rollout, random_agent
@@ -298,13 +303,16 @@ def warm_up(tok, data, model_cfg: dict, warmup: dict, progress: bool):
             start = rng.randrange(len(segs))
             n = max(1, min(warmup["batch"], budget // len(segs[start].input_ids)))
             batches.append(pad_segments(segs[max(0, start - n + 1):start + 1], tok.pad_token_id))
-        n_sampled = sum(m[:, 1:].sum() for _, _, m in batches)   # the loss is a mean over all sampled tokens
+        # two token means over the whole step: the replies, and everything else the model reads (observations)
+        n_sampled = sum(m[:, 1:].sum() for _, _, m in batches)
+        n_obs = sum((a[:, 1:] * (1 - m[:, 1:])).sum() for _, a, m in batches)
         opt.zero_grad(set_to_none=True)
         total = torch.zeros(())
         for ids, attn, mask in batches:
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()   # [B, T-1, V]
             nll = nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T-1]
-            loss = (nll * mask[:, 1:]).sum() / n_sampled
+            obs = attn[:, 1:] * (1 - mask[:, 1:])                                                   # [B, T-1]
+            loss = (nll * mask[:, 1:]).sum() / n_sampled + warmup["obs_weight"] * (nll * obs).sum() / n_obs
             loss.backward()
             total += loss.detach()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -309,7 +309,8 @@ def random_agent(rng: random.Random):
 def expert_agent(actions_per_turn: int = 1):
     """The env's optimal policy; several actions per turn are planned on a copy of the env.
 
-    Its thought names the plan (truthful: it is what the expert will do)."""
+    Its thought names the plan (truthful: it is what the expert will do), after the env's `expert_note()`
+    where it has one (Sokoban: where the player, boxes and targets are; envs.py deviation 9)."""
     def act(env, actions_left: int, cfg: RolloutConfig) -> tuple[list[str], str]:
         k = max(1, min(actions_per_turn, cfg.max_actions_per_turn, actions_left))
         sim, plan = copy.deepcopy(env), []
@@ -319,7 +320,8 @@ def expert_agent(actions_per_turn: int = 1):
             _, _, done, _ = sim.step(a)
             if done:
                 break
-        return plan, "I pick my moves: " + ", ".join(plan) + "."
+        note = env.expert_note() + ". " if hasattr(env, "expert_note") else ""
+        return plan, note + "I pick my moves: " + ", ".join(plan) + "."
     return act
 
 

@@ -383,6 +383,25 @@ def test_sokoban_expert_plan_is_cached_and_dead_ends_do_not_raise(monkeypatch):
     assert stuck > 10
 
 
+@pytest.mark.parametrize("name", sorted(SOKOBAN))
+def test_sokoban_expert_note_matches_the_grid(name):
+    """The expert's scratchpad (envs.py deviation 9) names exactly the cells the grid shows, counted from 1."""
+    size, nbox, legend = SOKOBAN[name]
+    env, rng = envs.make_env(name), np.random.default_rng(0)
+    for seed in envs.EVAL_SEEDS[:30]:
+        obs = env.reset(seed)
+        for _ in range(4):  # the start and a few random states, boxes on targets included
+            _, targets, boxes, player, _ = parse_sokoban(obs, legend)
+            parts = [p.split() for p in env.expert_note().split(", ")]
+            cells = {(w, (int(r) - 1, int(c) - 1)) for w, at, r, c in parts}
+            assert all(at == "at" for _, at, _, _ in parts) and len(cells) == len(parts)
+            assert cells == ({("player", player)} | {("box", b) for b in boxes}
+                             | {("target", t) for t in targets}), (obs, env.expert_note())
+            obs, _, done, _ = env.step(env.actions[rng.integers(4)])
+            if done:
+                break
+
+
 # ----------------------------------------------------------------------------- FrozenLake
 
 def test_frozenlake_eval_maps_valid_reachable_and_expert_optimal():

@@ -117,6 +117,27 @@ def test_tiny_build_is_cached_deterministic_and_keyed(tmp_path, monkeypatch):
         json.loads((Path(a) / "config.json").read_text())["vocab_size"]
 
 
+def test_warm_up_also_models_the_observations(tmp_path):
+    """policy.py deviation 2: with obs_weight the warm-up also lowers the loss on the boards, not only the replies."""
+    cfg = dict(envs=["sokoban"], warmup=dict(episodes_per_env=16, steps=30, batch_tokens=1024, lr=2e-2),
+               model_cfg=MICRO["model_cfg"])
+    nll = {}
+    for w in (0.0, 1.0):
+        path = policy.ensure_tiny(str(tmp_path), progress=False, **dict(cfg, warmup={**cfg["warmup"], "obs_weight": w}))
+        model, tok, _ = policy.load_policy(path)
+        segs = [s for t in R.rollout("sokoban", list(range(5000, 5008)), list(range(8)), R.RolloutConfig(),
+                                     tokenizer=tok, agent=R.random_agent(__import__("random").Random(0)))
+                for s in t.segments]
+        ids, attn, mask = policy.pad_segments(segs, tok.pad_token_id)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+        tok_nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+        obs = attn[:, 1:] * (1 - mask[:, 1:])
+        nll[w] = ((tok_nll * obs).sum() / obs.sum()).item(), ((tok_nll * mask[:, 1:]).sum() / mask[:, 1:].sum()).item()
+    assert nll[1.0][0] < nll[0.0][0] - 1.0, nll   # the observations: learned only with the term
+    assert nll[1.0][1] < nll[0.0][1] + 0.2, nll   # ... at no cost to the replies
+
+
 def test_tiny_builds_and_loads_offline(tmp_path):
     """No network: the hub is switched off and every socket connect raises; build, then load the cached copy."""
     code = textwrap.dedent(f"""
