@@ -8,6 +8,7 @@ per session into pytest's temporary folder; the default build (~1M parameters, ~
 """
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -123,17 +124,18 @@ def test_warm_up_also_models_the_observations(tmp_path):
                model_cfg=MICRO["model_cfg"])
     nll = {}
     for w in (0.0, 1.0):
-        path = policy.ensure_tiny(str(tmp_path), progress=False, **dict(cfg, warmup={**cfg["warmup"], "obs_weight": w}))
+        path = policy.ensure_tiny(str(tmp_path), progress=False, **{**cfg, "warmup": {**cfg["warmup"], "obs_weight": w}})
         model, tok, _ = policy.load_policy(path)
         segs = [s for t in R.rollout("sokoban", list(range(5000, 5008)), list(range(8)), R.RolloutConfig(),
-                                     tokenizer=tok, agent=R.random_agent(__import__("random").Random(0)))
+                                     tokenizer=tok, agent=R.random_agent(random.Random(0)))
                 for s in t.segments]
         ids, attn, mask = policy.pad_segments(segs, tok.pad_token_id)
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         tok_nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
         obs = attn[:, 1:] * (1 - mask[:, 1:])
-        nll[w] = ((tok_nll * obs).sum() / obs.sum()).item(), ((tok_nll * mask[:, 1:]).sum() / mask[:, 1:].sum()).item()
+        reply = mask[:, 1:]
+        nll[w] = ((tok_nll * obs).sum() / obs.sum()).item(), ((tok_nll * reply).sum() / reply.sum()).item()
     assert nll[1.0][0] < nll[0.0][0] - 1.0, nll   # the observations: learned only with the term
     assert nll[1.0][1] < nll[0.0][1] + 0.2, nll   # ... at no cost to the replies
 
