@@ -4,14 +4,14 @@
     python eval.py --env sokoban --policy runs/sft-sokoban-s0/final
     python sft_baseline.py --env sokoban --model Qwen/Qwen2.5-0.5B-Instruct    # the paper: LoRA 64/32, 1 GPU
 
-One loop, top to bottom: 1,000 training and 100 test trajectories of the environment's expert (Sokoban: the
-fewest-moves BFS plan; FrozenLake: the success-maximising policy), on training seeds that never meet the 256
-eval seeds, rendered by rollout.py exactly as RL rollouts are (system prompt, chat template, turn texts,
-pre-filled tag, history window `--context-turns`), so the loss mask is 1 exactly on the expert's reply tokens
--> epochs of next-token cross-entropy on those tokens (paper: 5 epochs, batches of 128 sequences, here
-accumulated from micro-batches) -> one JSONL line + one printed line per optimizer step -> test loss after
-each epoch, the lowest kept -> LoRA merged into the weights -> a plain `save_pretrained` folder that eval.py
-loads like any RL policy.
+One loop, top to bottom: training (paper: 1,000; tiny default 4,000) and 100 test trajectories of the
+environment's expert (Sokoban: the fewest-moves BFS plan; FrozenLake: the success-maximising policy), on seeds
+that never meet the 256 eval seeds, rendered by rollout.py exactly as RL rollouts are (system prompt, chat
+template, turn texts, pre-filled tag, history window `--context-turns`), so the loss mask is 1 exactly on the
+expert's reply tokens -> epochs of next-token cross-entropy on those tokens (paper: 5 epochs, batches of 128
+sequences, here accumulated from micro-batches) -> one JSONL line + one printed line per optimizer step -> test
+loss after each epoch, the lowest kept -> LoRA merged into the weights -> a plain `save_pretrained` folder that
+eval.py loads like any RL policy.
 
 LoRA (Hu et al. 2021, eq. 3) is hand-written here: every linear layer of the transformer blocks (attention
 q/k/v/o and MLP gate/up/down; not the embeddings or the LM head) gets y = W x + (alpha / r) * B A x with W
