@@ -11,10 +11,13 @@ Deviations from the paper / RAGEN (deliberate):
 1. NCCL on CUDA, gloo on CPU, picked from the device; under torchrun each rank uses cuda:LOCAL_RANK whatever
    `--device cuda:N` says (CUDA_VISIBLE_DEVICES chooses the GPUs).
 2. Collectives time out after 30 minutes (torch's default is 10): the other ranks wait while rank 0 evaluates.
+3. Shutdown frees the process group before the interpreter exits (see `init` and `close`), which torch alone
+   does not do once DDP has been used; without it about 1 torchrun exit in 40 aborted (SIGABRT).
 """
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import math
 import os
@@ -32,13 +35,23 @@ def init(device: torch.device) -> torch.device:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     if not dist.is_initialized():  # (a test may have joined already)
+        # torch.distributed.nn's functions default to `group=group.WORLD`, a value taken when it is imported,
+        # and DDP imports it when first built. Imported after the group exists, those defaults hold the group
+        # for good: destroy_process_group() cannot free it, and gloo's worker threads live on into the
+        # interpreter's shutdown, where one still releasing a finished collective's tensors must take the GIL
+        # and aborts the process ("terminate called without an active exception": measured ~1 torchrun exit
+        # in 40, a core dump showed it). Imported first, the defaults are None.
+        import torch.distributed.nn  # noqa: F401
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30),
                                 device_id=device if device.type == "cuda" else None)
     return device
 
 
 def close() -> None:
+    """Free the process group now, joining gloo's worker threads while the interpreter is whole. Every DDP
+    wrapper holds the group: drop them first (`del`); the collection here frees those caught in cycles."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -502,6 +502,7 @@ def main(argv=None):
     if dist.is_main():
         save_final(out, policy, tok, cfg)
         print(f"final policy: {out / 'final'}")
+    del train_policy, train_critic  # the DDP wrappers hold the process group, which close() frees
     dist.close()
     return out
 

@@ -142,9 +142,14 @@ def check_update(results, name, ucfg_kw, with_critic):
             max_abs_update=max_step, optimizer_steps=single["train/optimizer_steps"])
 
 
+def live_threads() -> int | None:
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None  # Linux only
+
+
 def worker(rank: int, port: int, out: str):
     os.environ.update(ENV, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    threads = live_threads()
     dist.init(torch.device("cpu"))
     results = {}
     try:
@@ -178,6 +183,9 @@ def worker(rank: int, port: int, out: str):
             Path(out, "results.json").write_text(json.dumps(results, indent=1))
     finally:
         dist.close()
+    # close() freed the process group, DDP wrappers used and all: gloo's worker threads are gone before the
+    # interpreter shuts down (distributed.init says why they would otherwise outlive it, and abort the exit)
+    assert live_threads() == threads, f"{live_threads()} threads after close(), {threads} before init()"
 
 
 def test_two_processes_filter_update_and_drift(tmp_path):
