@@ -15,7 +15,8 @@ Sections (a plain dict below, SECTIONS):
          rollouts on `--model` (default: the tiny policy) in Sokoban at temperature 1.0: medians of --repeats
          runs, and the ratios within each run.
   prefix forward + backward of starpo.token_logprobs on one batch of 32 SFT rows (1-turn Sokoban windows of
-         the expert) with the prompt header that all rows share run once (prefix_len) vs in every row.
+         the expert) with the prompt header that all rows share run once (prefix_len) vs in every row, and
+         with the LM head run on the reply tokens only (positions=, as sft_baseline.py does).
   prior  the untrained policy on every env, think and no-think, at temperatures 0.5 (eval) and 1.0 (training):
          well-formed replies per turn (issue 3 target >= 90%), valid actions, success, next to the random
          agent's success on the same 64 eval seeds (a markdown table for the README).
@@ -292,13 +293,14 @@ def bench_prefix(args) -> dict:
     segs = [s for t in trajs for s in t.segments][:args.prefix_rows]
     ids, attn, mask = (x.to(args.device) for x in pad_segments(segs, tok.pad_token_id))  # [B, T]
     shared = shared_prefix_len([s.input_ids for s in segs])
-    times = {"plain": [], "shared header": []}
+    variants = {"plain": (0, None), "shared header": (shared, None), "+ head on replies": (shared, mask.cpu())}
+    times = {name: [] for name in variants}
     for rep in range(args.repeats + 1):  # the first round warms up, untimed
-        for name, pre in (("plain", 0), ("shared header", shared))[::1 if rep % 2 == 0 else -1]:
+        for name, (pre, pos) in list(variants.items())[::1 if rep % 2 == 0 else -1]:
             model.zero_grad(set_to_none=True)
             _sync(torch.device(args.device))
             t0 = time.perf_counter()
-            logp, _ = token_logprobs(model, ids, attn, 1.0, True, prefix_len=pre)
+            logp, _ = token_logprobs(model, ids, attn, 1.0, True, prefix_len=pre, positions=pos)
             (-(logp * mask).sum() / mask.sum()).backward()
             _sync(torch.device(args.device))
             if rep:
@@ -307,10 +309,12 @@ def bench_prefix(args) -> dict:
     print(f"[prefix] model {args.model} ({path}), {args.rollout_env} 1-turn windows, {len(segs)} rows of "
           f"{ids.shape[1]} tokens, {shared} shared, repeats={args.repeats}")
     for name, v in times.items():
-        print(f"[prefix] {name:14s} {med[name]:.3f} s per forward+backward (median; all: "
+        print(f"[prefix] {name:17s} {med[name]:.3f} s per forward+backward (median; all: "
               f"{', '.join(f'{x:.3f}' for x in v)})")
-    print(f"[prefix] plain / shared header: {med['plain'] / med['shared header']:.2f}x")
-    return {"plain_s": med["plain"], "shared_s": med["shared header"], "shared_tokens": shared}
+    print(f"[prefix] plain / shared header: {med['plain'] / med['shared header']:.2f}x; shared header / + head "
+          f"on the {int(mask.sum())} reply tokens of {int(attn.sum())}: {med['shared header'] / med['+ head on replies']:.2f}x")
+    return {"plain_s": med["plain"], "shared_s": med["shared header"], "replies_s": med["+ head on replies"],
+            "shared_tokens": shared}
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -48,10 +48,12 @@ Deliberate deviations from the paper or RAGEN's code:
    achieve it picks the one with the best 0.9-discounted success value so that it never dawdles
    (e.g. bumping into a wall keeps the success probability but wastes a step). With no way to the
    goal left (a stuck box, a sealed lake) any action is optimal and the first action word is returned.
-9. Sokoban also has `expert_note()`: where the player, the boxes and the targets are ("player at 2 4, box at
-   3 4, target at 5 3": row and column counted from 1 at the top-left wall). The SFT expert's thought starts
-   with it (rollout.expert_agent), a truthful scratchpad: measured, the tiny model then reads the coordinates
-   almost perfectly and learns the moves faster than from the board alone (sft_baseline.py).
+9. Sokoban also has `expert_note()`: where the player, the boxes and the targets are, then the next push of
+   the expert's own plan and the cell it pushes from ("player at 3 5, box at 4 4, target at 5 3. I push the
+   box Left: I go to 4 5": row and column counted from 1 at the top-left wall; with several boxes the pushed
+   one is named). The SFT expert's thought starts with it (rollout.expert_agent), a truthful scratchpad that
+   splits the move into steps a small model can check: read the board, pick the push, walk to it
+   (sft_baseline.py has the measurements).
 """
 from __future__ import annotations
 
@@ -453,14 +455,31 @@ class SokobanEnv(_TextEnv):
         return "\n".join(rows)
 
     def expert_note(self) -> str:
-        """Where things are, in words the tiny tokenizer has: the start of the expert's thought."""
+        """The start of the expert's thought, in words the tiny tokenizer has: where things are, then the next
+        push of its plan and the cell it pushes from ("player at 3 5, box at 4 4, target at 5 3. I push the
+        box Left: I go to 4 5"; deviation 9)."""
         self._require_live("expert_note()")
-        at = lambda i: f"at {i // self.size + 1} {i % self.size + 1}"  # row, column from 1 (top-left wall)
-        return ", ".join([f"player {at(self._player)}"] + [f"box {at(b)}" for b in self._boxes]
-                         + [f"target {at(t)}" for t in sorted(self._targets)])
+        cell = lambda i: f"{i // self.size + 1} {i % self.size + 1}"  # row, column from 1 (top-left wall)
+        note = ", ".join([f"player at {cell(self._player)}"] + [f"box at {cell(b)}" for b in self._boxes]
+                         + [f"target at {cell(t)}" for t in sorted(self._targets)])
+        push = self._next_push()
+        if push is not None:
+            a, stand, box = push
+            which = f" at {cell(box)}" if len(self._boxes) > 1 else ""  # several boxes: name the one pushed
+            note += f". I push the box{which} {self.actions[a]}: I go to {cell(stand)}"
+        return note
 
-    def expert_action(self) -> str:
-        self._require_live("expert_action()")
+    def _next_push(self):
+        """(action, the player's cell before it, the box's cell) of the first push in the expert's plan, or None."""
+        player, boxes = self._player, self._boxes
+        for a in self._expert_plan() or []:
+            if player + self._offsets[a] in boxes:
+                return a, player, player + self._offsets[a]
+            player, boxes = self._move(player, boxes, a)
+        return None
+
+    def _expert_plan(self) -> list[int] | None:
+        """The rest of a fewest-moves plan from the current state (action indices), None if there is none."""
         state = (self._player, self._boxes)
         if state not in self._plans:
             plan = sokoban_bfs(self._floor, self.size, self._targets, *state)
@@ -471,7 +490,11 @@ class SokobanEnv(_TextEnv):
                 for i, a in enumerate(plan):
                     self._plans.setdefault(s, plan[i:])
                     s = self._move(*s, a)
-        plan = self._plans[state]
+        return self._plans[state]
+
+    def expert_action(self) -> str:
+        self._require_live("expert_action()")
+        plan = self._expert_plan()
         return self.actions[plan[0]] if plan else self.actions[0]
 
 

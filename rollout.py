@@ -310,7 +310,7 @@ def expert_agent(actions_per_turn: int = 1):
     """The env's optimal policy; several actions per turn are planned on a copy of the env.
 
     Its thought names the plan (truthful: it is what the expert will do), after the env's `expert_note()`
-    where it has one (Sokoban: where the player, boxes and targets are; envs.py deviation 9)."""
+    where it has one (Sokoban: where the player, boxes and targets are, and the next push; envs.py deviation 9)."""
     def act(env, actions_left: int, cfg: RolloutConfig) -> tuple[list[str], str]:
         k = max(1, min(actions_per_turn, cfg.max_actions_per_turn, actions_left))
         sim, plan = copy.deepcopy(env), []

@@ -4,7 +4,7 @@
     python eval.py --env sokoban --policy runs/sft-sokoban-s0/final
     python sft_baseline.py --env sokoban --model Qwen/Qwen2.5-0.5B-Instruct    # the paper: LoRA 64/32, 1 GPU
 
-One loop, top to bottom: training (paper: 1,000; tiny default 4,000) and 100 test trajectories of the
+One loop, top to bottom: training (paper: 1,000; tiny default 3,000) and 100 test trajectories of the
 environment's expert (Sokoban: the fewest-moves BFS plan; FrozenLake: the success-maximising policy), on seeds
 that never meet the 256 eval seeds, rendered by rollout.py exactly as RL rollouts are (system prompt, chat
 template, turn texts, pre-filled tag, history window `--context-turns`), so the loss mask is 1 exactly on the
@@ -21,29 +21,33 @@ Deviations from the paper / RAGEN (deliberate):
 1. `--model tiny` defaults (printed with `--help`; also for folders of its size, policy.model_kind): full
    fine-tuning (`--lora-rank 0`: a rank-64 adapter on a 128-wide layer has as many parameters as the layer),
    a 1-turn history window (`--context-turns 1`: one example per turn, the current board; whole
-   conversations trained worse in a probe), and 4,000 expert trajectories (4x the paper's 1,000) for 3 epochs
-   of batches of 32 (one micro-batch) at lr 3e-3: ~860 optimizer steps on Sokoban, what fits in 10 CPU
-   minutes. Measured on Sokoban (seed 0, eval success / test loss per reply token): the paper's 1,000
-   trajectories for 10 epochs (730 steps) 0.52 / 0.054, 3,000 for 4 epochs 0.66 / 0.058, 4,000 for 3 epochs
-   0.70 / 0.043 (seed 1: 0.62; 6,000 for 2 epochs: 0.65 / 0.034): at a fixed number of steps fresh data
-   beats repeated data, up to seed noise, and expert data is cheap (~1.5 s per 1,000 trajectories) where steps
-   are not. With the earlier tiny prior, which had not modelled the boards (policy.py deviation 2), the model
-   sat on a plateau at chance on every move for 100-450 steps. The Qwen defaults are the paper's (1,000
-   trajectories, LoRA rank 64, alpha 32, lr 1e-4, batch 128, 5 epochs, the whole conversation).
+   conversations trained worse in a probe), and 3,000 expert trajectories (3x the paper's 1,000) for 3 epochs
+   of batches of 16 (one micro-batch) at lr 2e-3 with AdamW's beta2 0.95: ~1,290 optimizer steps on Sokoban,
+   what fits in 10 CPU minutes (the steps are compute-bound; expert data costs ~1.5 s per 1,000 trajectories).
+   Measured on Sokoban (eval success seed 0 / seed 1, test loss per reply token of seed 0; README has the
+   whole path): the default 0.805 / 0.805, 0.018; 4,000 x 3 in batches of 32 at lr 3e-3 (861 steps) 0.836 /
+   0.816, 0.017 but 11 minutes; the same with beta2 0.999 0.703 / 0.621, 0.030; 3,500 x 3 in batches of 32
+   (756 steps, lr 2e-3 / 3e-3 / 4e-3) 0.711 / 0.695 / 0.570, where batches of 16 (1,512 steps) gave 0.824 /
+   0.793 at lr 2e-3 / 3e-3 for the same compute. The Qwen defaults are the paper's (1,000 trajectories, LoRA
+   rank 64, alpha 32, lr 1e-4, batch 128, 5 epochs, the whole conversation) and torch's beta2 0.999.
 2. The expert answers with `--expert-actions` moves per turn, default ceil(max_actions / max_turns) = 2: with
    one move per turn the 5-turn budget caps the expert itself at 73% of the eval rooms (5 moves), with two it
    can use the whole 10-action budget (99.6%). The plan is made on a copy of the env that shares its random
    stream, so on slippery FrozenLake a turn's later moves already know the earlier moves' slips (eval.py's
    ceiling has the same foresight); the policy cannot see them, so those labels are partly noise. The thought
-   is rollout.expert_agent's truthful template, on Sokoban a scratchpad of where things are, then the plan
-   ("player at 2 4, box at 3 4, target at 4 3. I pick my moves: Down, Right.", words the tiny vocabulary has;
-   envs.py deviation 9). Measured (1,000 trajectories, seed 0): the tiny model reads those coordinates at
-   < 0.05 nats per token, and eval success rose from 0.38 with the plan alone to 0.52. Words a tokenizer
-   lacks would train as <unk>, and are reported at start-up.
+   is rollout.expert_agent's truthful template, on Sokoban a scratchpad of where things are and which push
+   comes next, then the plan ("player at 3 5, box at 4 4, target at 5 3. I push the box Left: I go to 4 5.
+   I pick my moves: Down, Left.", words the tiny vocabulary has; envs.py deviation 9). Measured (1,000
+   trajectories, seed 0): the tiny model reads those coordinates at < 0.05 nats per token, and eval success
+   rose from 0.38 with the plan alone to 0.52 with the positions; naming the push (4,000 x 3, beta2 0.999)
+   took seeds 0 / 1 from 0.527 / 0.633 to 0.703 / 0.621. Words a tokenizer lacks would train as <unk>, and
+   are reported at start-up.
 3. Every expert trajectory is kept, solved or not: each of its actions is the expert's choice in the state it
    saw (keeping only solved FrozenLake episodes would select lucky slips, not better actions).
 4. The learning rate warms up linearly over the first 5% of the optimizer steps, then decays to 0 on a cosine
-   (the paper states only the peak); gradients are clipped at norm 1.0, as in train.py.
+   (the paper states only the peak and no betas); gradients are clipped at norm 1.0, as in train.py. The tiny
+   default's AdamW beta2 is 0.95 (`--adam-beta2`, a common value in LM pre-training; train.py keeps torch's
+   0.999); deviation 1 has what it changed.
 5. The checkpoint with the lowest test loss is kept in memory (a copy of the trained parameters), not on disk,
    and there is no --resume: a run is minutes on a CPU.
 6. Besides the test loss, the kept policy is evaluated at the end on the eval prompts (`--eval-every` also
@@ -73,10 +77,10 @@ from train import rollout_config, save_final
 
 # Per-model defaults for fields left at None. Qwen: the paper's (Appendix G). tiny: what trains on a CPU.
 MODEL_DEFAULTS = {
-    "tiny": dict(train_trajectories=4000, epochs=3, lr=3e-3, lora_rank=0, context_turns=1, batch=32,
-                 micro_batch=32),
-    "hf": dict(train_trajectories=1000, epochs=5, lr=1e-4, lora_rank=64, context_turns=0, batch=128,
-               micro_batch=4),
+    "tiny": dict(train_trajectories=3000, epochs=3, lr=2e-3, adam_beta2=0.95, lora_rank=0, context_turns=1,
+                 batch=16, micro_batch=16),
+    "hf": dict(train_trajectories=1000, epochs=5, lr=1e-4, adam_beta2=0.999, lora_rank=64, context_turns=0,
+               batch=128, micro_batch=4),
 }
 WARMUP_FRACTION = 0.05
 MAX_GRAD_NORM = 1.0
@@ -85,7 +89,7 @@ MAX_GRAD_NORM = 1.0
 @dataclass
 class Config:
     env: str = cli.flag("sokoban", "environment", choices=sorted(ENVS))
-    train_trajectories: int | None = cli.flag(None, "expert trajectories to train on (default: tiny 4,000, hub "
+    train_trajectories: int | None = cli.flag(None, "expert trajectories to train on (default: tiny 3,000, hub "
                                                     "models the paper's 1,000)")
     test_trajectories: int = cli.flag(100, "expert trajectories for the test loss (paper: 100)")
     expert_actions: int | None = cli.flag(None, "expert moves per turn (default: ceil(max-actions / max-turns))")
@@ -98,10 +102,12 @@ class Config:
     context_turns: int | None = cli.flag(None, "history window: 0 = whole conversation, K = last K turns "
                                                "(default: tiny 1, hub models 0)")
     epochs: int | None = cli.flag(None, "passes over the training data (default: tiny 3, hub models 5)")
-    batch: int | None = cli.flag(None, "training sequences per optimizer step (default: tiny 32, hub models 128)")
+    batch: int | None = cli.flag(None, "training sequences per optimizer step (default: tiny 16, hub models 128)")
     micro_batch: int | None = cli.flag(None, "training sequences per forward/backward, gradient accumulation "
-                                             "(default: tiny 32, hub models 4)")
-    lr: float | None = cli.flag(None, "peak learning rate (default: tiny 3e-3, hub models 1e-4)")
+                                             "(default: tiny 16, hub models 4)")
+    lr: float | None = cli.flag(None, "peak learning rate (default: tiny 2e-3, hub models 1e-4)")
+    adam_beta2: float | None = cli.flag(None, "AdamW's beta2, the decay of its squared-gradient average (default: "
+                                              "tiny 0.95, hub models torch's 0.999)")
     lora_rank: int | None = cli.flag(None, "LoRA rank r, 0 = full fine-tuning (default: tiny 0, hub models 64)")
     lora_alpha: float = cli.flag(32.0, "LoRA alpha (the update is scaled by alpha / r)")
     eval_every: int = cli.flag(0, "also evaluate every this many epochs (0 = only the kept policy, at the end)")
@@ -137,6 +143,7 @@ def derive(cfg: Config, explicit: set[str]) -> Config:
         (cfg.epochs >= 1, f"--epochs {cfg.epochs}: must be >= 1"),
         (cfg.batch >= 1 and cfg.micro_batch >= 1, "--batch and --micro-batch must be >= 1"),
         (cfg.lr > 0, f"--lr {cfg.lr}: must be > 0"),
+        (0 <= cfg.adam_beta2 < 1, f"--adam-beta2 {cfg.adam_beta2}: must be in [0, 1)"),
         (cfg.lora_rank >= 0, f"--lora-rank {cfg.lora_rank}: must be >= 0 (0 = full fine-tuning)"),
         (cfg.lora_alpha > 0, f"--lora-alpha {cfg.lora_alpha}: must be > 0"),
         (cfg.eval_every >= 0, f"--eval-every {cfg.eval_every}: must be >= 0"),
@@ -237,13 +244,15 @@ def micro_batches(segs, micro: int):
 
 
 def masked_logprobs(policy, part, cfg: Config, pad_id: int, device, amp):
-    """One micro-batch of segments -> log-probs and entropies [b, T] and the loss mask [b, T] (fused path; the
-    system prompt + instructions that every row shares run once, starpo.shared_prefix_len)."""
+    """One micro-batch of segments -> log-probs and entropies [b, T] (0 off the mask) and the loss mask [b, T]
+    (fused path; the system prompt + instructions that every row shares run once, starpo.shared_prefix_len,
+    and the LM head runs on the reply tokens only)."""
     from policy import pad_segments
-    ids, attn, mask = (x.to(device) for x in pad_segments(part, pad_id))  # [b, T] each
+    ids, attn, mask_cpu = pad_segments(part, pad_id)  # [b, T] each, on the CPU
+    ids, attn, mask = ids.to(device), attn.to(device), mask_cpu.to(device)
     pre = shared_prefix_len([s.input_ids for s in part])
     with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-        logp, ent = token_logprobs(policy, ids, attn, 1.0, cfg.fused, prefix_len=pre)  # [b, T]
+        logp, ent = token_logprobs(policy, ids, attn, 1.0, cfg.fused, prefix_len=pre, positions=mask_cpu)  # [b, T]
     return logp, ent, mask
 
 
@@ -332,7 +341,7 @@ def main(argv=None):
         print(f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} on {len(wrapped)} linear layers")
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     print(f"trainable parameters: {trainable:,} of {sum(p.numel() for p in policy.parameters()):,}")
-    opt = make_optimizer(policy, cfg.lr)
+    opt = make_optimizer(policy, cfg.lr, betas=(0.9, cfg.adam_beta2))
     eval_rcfg = rollout_config(cfg, cfg.eval_temperature)
 
     # ---- data: expert trajectories on training seeds (never eval seeds), train and test disjoint

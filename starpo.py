@@ -390,8 +390,8 @@ def prefill_shared_prefix(model: torch.nn.Module, prefix: torch.Tensor, rows: in
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float = 1.0, fused: bool = True,
-                   chunk_size: int = 1024, prefix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                   temperature: float = 1.0, fused: bool = True, chunk_size: int = 1024, prefix_len: int = 0,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies [B, T] of a Hugging Face causal LM at the sampling temperature.
 
     logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) from the logits at t - 1; entropy[:, t] is the
@@ -405,9 +405,15 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     run only their remaining T - P tokens on top of that prefix's keys and values, repeated B times
     (`prefill_shared_prefix`): values and gradients are those of the plain path (tested), at (T - P) / T of
     its backbone cost.
+
+    `positions` [B, T] (optional; 0/1 or bool, best on the CPU, where finding its ones costs no device sync):
+    the tokens the caller will read, typically its loss mask. Both outputs are 0 everywhere else, and the fused
+    path runs the LM head only on those tokens: in a supervised batch of 1-turn windows the replies are ~1/6 of
+    the tokens (and with `prefix_len` the shared prefix would otherwise go through the head once per row).
     """
     if isinstance(model, TokenLogprobs) or isinstance(getattr(model, "module", None), TokenLogprobs):
-        return model(input_ids, attention_mask, temperature, fused, chunk_size, prefix_len)  # through DDP's forward
+        return model(input_ids, attention_mask, temperature, fused, chunk_size, prefix_len,  # through DDP's forward
+                     positions)
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError("token_logprobs got DistributedDataParallel(model): wrap TokenLogprobs(model) instead, "
                          "or its gradients are never all-reduced (see TokenLogprobs)")
@@ -420,6 +426,10 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     targets = input_ids[:, 1:].reshape(-1)  # [B*(T-1)]
     if not 0 <= prefix_len < T:
         raise ValueError(f"prefix_len must be in 0..{T - 1} (T = {T}), got {prefix_len}")
+    if positions is not None and positions.shape != input_ids.shape:
+        raise ValueError(f"positions must be [B, T] = {list(input_ids.shape)}, got {list(positions.shape)}")
+    # [K] flat indices into the B*(T-1) predicted tokens that the caller reads (all of them without `positions`)
+    keep = None if positions is None else positions[:, 1:].reshape(-1).nonzero().squeeze(1).to(input_ids.device)
     if fused:
         if prefix_len > 0:  # one row runs the shared prefix; the B rows run the rest on its repeated cache
             pre, cache = prefill_shared_prefix(model, input_ids[:1, :prefix_len], B)  # [1, P, H]
@@ -431,12 +441,21 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
                                       use_cache=False).last_hidden_state  # [B, T, H]
         head = model.get_output_embeddings()
         h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # [B*(T-1), H] predicts tokens 1..T-1
-        logp, entropy = fused_logprobs_entropy(h, head.weight, getattr(head, "bias", None), targets,
-                                               temperature, chunk_size)
+        if keep is None:
+            logp, entropy = fused_logprobs_entropy(h, head.weight, getattr(head, "bias", None), targets,
+                                                   temperature, chunk_size)
+        else:  # the head on the K kept rows only, scattered back into zeros
+            lp, ent = fused_logprobs_entropy(h.index_select(0, keep), head.weight, getattr(head, "bias", None),
+                                             targets.index_select(0, keep), temperature, chunk_size)  # [K]
+            logp = lp.new_zeros(h.shape[0]).index_copy(0, keep, lp)  # [B*(T-1)]
+            entropy = ent.new_zeros(h.shape[0]).index_copy(0, keep, ent)
     else:
         logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, V]
         logp, entropy = naive_logprobs_entropy_from_logits(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                            targets, temperature)
+        if keep is not None:
+            sel = torch.zeros_like(logp).index_fill(0, keep, 1.0)  # [B*(T-1)]
+            logp, entropy = logp * sel, entropy * sel
     logp = F.pad(logp.view(B, T - 1), (1, 0))  # [B, T], column 0 = 0
     entropy = F.pad(entropy.view(B, T - 1), (1, 0))
     return logp, entropy
@@ -457,8 +476,10 @@ class TokenLogprobs(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids, attention_mask, temperature: float = 1.0, fused: bool = True,
-                chunk_size: int = 1024, prefix_len: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logprobs(self.model, input_ids, attention_mask, temperature, fused, chunk_size, prefix_len)
+                chunk_size: int = 1024, prefix_len: int = 0,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return token_logprobs(self.model, input_ids, attention_mask, temperature, fused, chunk_size, prefix_len,
+                              positions)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -549,10 +570,12 @@ class UpdateConfig:
             raise ValueError(f"value_clip must be > 0 or None, got {self.value_clip}")
 
 
-def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float = 0.01) -> torch.optim.Optimizer:
-    """AdamW with weight decay 0.01, the optimizer `update` expects for the policy and the critic."""
+def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float = 0.01,
+                   betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters, weight decay 0.01: the optimizer `update` expects for the policy and
+    the critic (torch's betas, as verl's), and that sft_baseline.py uses with its own beta2."""
     return torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr,
-                             weight_decay=weight_decay)
+                             weight_decay=weight_decay, betas=betas)
 
 
 PER_STEP = ("pg_loss", "grad_norm", "kl_loss", "value_loss", "critic_grad_norm")  # update's per-step metrics

@@ -5,6 +5,7 @@ Run from the repository root:  python -m pytest -q tests/test_envs.py   (about 1
 The Sokoban and FrozenLake checks re-derive everything from the observation text with this file's own
 parser, rule simulator, breadth-first search and value iteration, so they do not trust envs.py internals.
 """
+import copy
 import math
 import sys
 from collections import deque
@@ -384,22 +385,46 @@ def test_sokoban_expert_plan_is_cached_and_dead_ends_do_not_raise(monkeypatch):
 
 
 @pytest.mark.parametrize("name", sorted(SOKOBAN))
-def test_sokoban_expert_note_matches_the_grid(name):
-    """The expert's scratchpad (envs.py deviation 9) names exactly the cells the grid shows, counted from 1."""
+def test_sokoban_expert_note_matches_the_grid_and_the_expert(name):
+    """The expert's scratchpad (envs.py deviation 9) names exactly the cells the grid shows, counted from 1, and
+    then the next push that the expert's own moves make: its direction, the cell the player pushes from and,
+    with several boxes, which box. Checked against the grid alone: parse, then replay the expert on the text."""
     size, nbox, legend = SOKOBAN[name]
     env, rng = envs.make_env(name), np.random.default_rng(0)
+    pushes = 0
     for seed in envs.EVAL_SEEDS[:30]:
         obs = env.reset(seed)
         for _ in range(4):  # the start and a few random states, boxes on targets included
-            _, targets, boxes, player, _ = parse_sokoban(obs, legend)
-            parts = [p.split() for p in env.expert_note().split(", ")]
+            walls, targets, boxes, player, _ = parse_sokoban(obs, legend)
+            where, _, push = env.expert_note().partition(". ")
+            parts = [p.split() for p in where.split(", ")]
             cells = {(w, (int(r) - 1, int(c) - 1)) for w, at, r, c in parts}
             assert all(at == "at" for _, at, _, _ in parts) and len(cells) == len(parts)
             assert cells == ({("player", player)} | {("box", b) for b in boxes}
                              | {("target", t) for t in targets}), (obs, env.expert_note())
+            if reference_bfs(walls, targets, boxes, player) is None:  # no plan, so no push to name
+                assert push == "", env.expert_note()
+            else:
+                words = push.split()
+                assert words[:3] == ["I", "push", "the"] and words[-4:-2] == ["go", "to"], env.expert_note()
+                stand = (int(words[-2]) - 1, int(words[-1]) - 1)
+                which = (int(words[5]) - 1, int(words[6]) - 1) if nbox > 1 else next(iter(boxes))
+                direction = words[-6].rstrip(":")
+                # replay the expert on a copy until its first push: from `stand`, in `direction`, moving `which`
+                sim, p, bx = copy.deepcopy(env), player, boxes
+                while True:
+                    a = sim.expert_action()
+                    q = (p[0] + UDLR[a][0], p[1] + UDLR[a][1])
+                    if q in bx:
+                        assert (p, a, q) == (stand, direction, which), (obs, env.expert_note())
+                        break
+                    o, _, _, _ = sim.step(a)
+                    _, _, bx, p, _ = parse_sokoban(o, legend)
+                pushes += 1
             obs, _, done, _ = env.step(env.actions[rng.integers(4)])
             if done:
                 break
+    assert pushes > 50
 
 
 # ----------------------------------------------------------------------------- FrozenLake

@@ -282,6 +282,33 @@ def test_shared_prefix_path_equals_the_plain_path_values_and_grads():
         token_logprobs(model, ids, attn, prefix_len=T)
 
 
+@pytest.mark.parametrize("prefix_len", [0, 9])
+def test_positions_run_the_head_only_there_and_match_the_full_path(prefix_len):
+    """`positions` (a loss mask): on its tokens the values and the gradients of a loss read there are those of
+    the full path (fused, shared prefix or not, and naive); everywhere else both outputs are exactly 0."""
+    model = tiny_qwen()
+    gen = torch.Generator().manual_seed(9)
+    B, P, T = 4, 9, 16
+    ids = torch.cat([torch.randint(0, 96, (1, P), generator=gen).expand(B, -1),
+                     torch.randint(0, 96, (B, T - P), generator=gen)], dim=1)
+    attn = torch.ones_like(ids)
+    attn[1, 13:] = 0
+    pos = multi_turn_mask(B, T, gen) * attn  # holes, and a row with no position at all
+    w = torch.randn(B, T, generator=gen)
+    ref_lp, ref_ent = token_logprobs(model, ids, attn, 0.8, fused=True, chunk_size=5)
+    ref = torch.autograd.grad(((ref_lp * w + ref_ent) * pos).sum(), list(model.parameters()))
+    for fused in (True, False):
+        lp, ent = token_logprobs(model, ids, attn, 0.8, fused=fused, chunk_size=5,
+                                 prefix_len=prefix_len if fused else 0, positions=pos.bool())
+        assert (lp[pos == 0] == 0).all() and (ent[pos == 0] == 0).all()
+        assert rel_err(lp * pos, ref_lp * pos) < 1e-5 and rel_err(ent * pos, ref_ent * pos) < 1e-5
+        grads = torch.autograd.grad(((lp * w + ent) * pos).sum(), list(model.parameters()))
+        for g, r in zip(grads, ref):
+            assert rel_err(g, r) < 1e-5
+    with pytest.raises(ValueError, match="positions"):
+        token_logprobs(model, ids, attn, positions=pos[:, 1:])
+
+
 # --------------------------------------------------------------------------------------------------------
 # update() on a tiny Qwen2
 # --------------------------------------------------------------------------------------------------------
