@@ -311,8 +311,9 @@ def bench_prefix(args) -> dict:
     for name, v in times.items():
         print(f"[prefix] {name:17s} {med[name]:.3f} s per forward+backward (median; all: "
               f"{', '.join(f'{x:.3f}' for x in v)})")
+    head_gain = med["shared header"] / med["+ head on replies"]
     print(f"[prefix] plain / shared header: {med['plain'] / med['shared header']:.2f}x; shared header / + head "
-          f"on the {int(mask.sum())} reply tokens of {int(attn.sum())}: {med['shared header'] / med['+ head on replies']:.2f}x")
+          f"on the {int(mask.sum())} reply tokens of {int(attn.sum())}: {head_gain:.2f}x")
     return {"plain_s": med["plain"], "shared_s": med["shared header"], "replies_s": med["+ head on replies"],
             "shared_tokens": shared}
 

@@ -24,11 +24,11 @@ Deviations from the paper / RAGEN (deliberate):
    conversations trained worse in a probe), and 3,000 expert trajectories (3x the paper's 1,000) for 3 epochs
    of batches of 16 (one micro-batch) at lr 2e-3 with AdamW's beta2 0.95: ~1,290 optimizer steps on Sokoban,
    what fits in 10 CPU minutes (the steps are compute-bound; expert data costs ~1.5 s per 1,000 trajectories).
-   Measured on Sokoban (eval success seed 0 / seed 1, test loss per reply token of seed 0; README has the
-   whole path): the default 0.805 / 0.805, 0.018; 4,000 x 3 in batches of 32 at lr 3e-3 (861 steps) 0.836 /
-   0.816, 0.017 but 11 minutes; the same with beta2 0.999 0.703 / 0.621, 0.030; 3,500 x 3 in batches of 32
-   (756 steps, lr 2e-3 / 3e-3 / 4e-3) 0.711 / 0.695 / 0.570, where batches of 16 (1,512 steps) gave 0.824 /
-   0.793 at lr 2e-3 / 3e-3 for the same compute. The Qwen defaults are the paper's (1,000 trajectories, LoRA
+   Measured on Sokoban (eval success on the 256 eval rooms; README has the whole path): the default 0.805 /
+   0.805 / 0.828 with seeds 0 / 1 / 2 (test loss 0.018 per reply token); 4,000 x 3 in batches of 32 at lr 3e-3
+   (861 steps) 0.836 / 0.816 but 11 minutes, and with beta2 0.999 0.703 / 0.621; seed 0, 3,500 x 3: batches of
+   32 (756 steps) 0.711 / 0.695 / 0.570 at lr 2e-3 / 3e-3 / 4e-3, batches of 16 (1,512 steps, the same
+   compute) 0.824 / 0.793 at lr 2e-3 / 3e-3. The Qwen defaults are the paper's (1,000 trajectories, LoRA
    rank 64, alpha 32, lr 1e-4, batch 128, 5 epochs, the whole conversation) and torch's beta2 0.999.
 2. The expert answers with `--expert-actions` moves per turn, default ceil(max_actions / max_turns) = 2: with
    one move per turn the 5-turn budget caps the expert itself at 73% of the eval rooms (5 moves), with two it
