@@ -473,8 +473,9 @@ class SokobanEnv(_TextEnv):
         """(action, the player's cell before it, the box's cell) of the first push in the expert's plan, or None."""
         player, boxes = self._player, self._boxes
         for a in self._expert_plan() or []:
-            if player + self._offsets[a] in boxes:
-                return a, player, player + self._offsets[a]
+            ahead = player + self._offsets[a]
+            if ahead in boxes:
+                return a, player, ahead
             player, boxes = self._move(player, boxes, a)
         return None
 

@@ -257,17 +257,23 @@ def test_shared_prefix_len_is_the_common_start_and_leaves_a_token():
     assert starpo.shared_prefix_len([[5, 6, 7]]) == 2 and starpo.shared_prefix_len([]) == 0
 
 
+def shared_prefix_batch(gen, B=4, P=9, T=16):
+    """[B, T] ids whose rows share their first P tokens, and an attention mask with two right-padded rows."""
+    ids = torch.cat([torch.randint(0, 96, (1, P), generator=gen).expand(B, -1),
+                     torch.randint(0, 96, (B, T - P), generator=gen)], dim=1)
+    attn = torch.ones_like(ids)
+    attn[1, 13:] = 0
+    attn[3, 10:] = 0
+    return ids, attn
+
+
 def test_shared_prefix_path_equals_the_plain_path_values_and_grads():
     """The prefix run once and repeated must give every row the log-probs and the summed gradients of the
     plain batched path, with right padding on rows of different lengths."""
     model = tiny_qwen()
     gen = torch.Generator().manual_seed(8)
     B, P, T = 4, 9, 16
-    ids = torch.cat([torch.randint(0, 96, (1, P), generator=gen).expand(B, -1),
-                     torch.randint(0, 96, (B, T - P), generator=gen)], dim=1)
-    attn = torch.ones_like(ids)
-    attn[1, 13:] = 0
-    attn[3, 10:] = 0
+    ids, attn = shared_prefix_batch(gen, B, P, T)
     assert starpo.shared_prefix_len(ids.tolist()) >= P
     w = torch.randn(B, T, generator=gen) * attn
     out = {}
@@ -289,11 +295,8 @@ def test_positions_run_the_head_only_there_and_match_the_full_path(prefix_len):
     model = tiny_qwen()
     gen = torch.Generator().manual_seed(9)
     B, P, T = 4, 9, 16
-    ids = torch.cat([torch.randint(0, 96, (1, P), generator=gen).expand(B, -1),
-                     torch.randint(0, 96, (B, T - P), generator=gen)], dim=1)
-    attn = torch.ones_like(ids)
-    attn[1, 13:] = 0
-    pos = multi_turn_mask(B, T, gen) * attn  # holes, and a row with no position at all
+    ids, attn = shared_prefix_batch(gen, B, P, T)
+    pos = multi_turn_mask(B, T, gen) * attn  # holes, padding, and a row with no position at all
     w = torch.randn(B, T, generator=gen)
     ref_lp, ref_ent = token_logprobs(model, ids, attn, 0.8, fused=True, chunk_size=5)
     ref = torch.autograd.grad(((ref_lp * w + ref_ent) * pos).sum(), list(model.parameters()))
