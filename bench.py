@@ -218,7 +218,12 @@ def _load(args):
 
 
 def bench_rollout(args) -> dict:
-    """Generated tokens/s of the batched sampler vs a one-episode-at-a-time loop (issue 3)."""
+    """Generated tokens/s of one P x N rollout three ways: one episode at a time (each turn re-prefills its whole
+    conversation), all episodes in one batch re-prefilling (RolloutConfig.kv_cache=False), and the batch that keeps
+    each episode's KV cache across turns and prefills each group's first prompt once (the default); medians of
+    --repeats runs and the ratios within each run, the peak memory of each, then whether they sample the same
+    trajectories (token ids, loss masks, rewards): all three under greedy decoding, and the two batched ones at
+    the benchmark's temperature, which draw from one generator in the same order."""
     from envs import EVAL_SEEDS
     from rollout import RolloutConfig, rollout
     model, tok, path = _load(args)
@@ -229,51 +234,67 @@ def bench_rollout(args) -> dict:
     cfg = RolloutConfig(temperature=args.rollout_temperature)
     device = torch.device(args.device)
 
-    def batched(gen, c=cfg):
-        return rollout(args.rollout_env, seeds, groups, c, tokenizer=tok, model=model, generator=gen,
-                       samples=samples)
+    def batched(gen, c):
+        return rollout(args.rollout_env, seeds, groups, c, tokenizer=tok, model=model, generator=gen, samples=samples)
 
-    def batched_full_prefill(gen):  # every row prefills its whole prompt, shared header included
-        return batched(gen, dataclasses.replace(cfg, share_prefix=False))
-
-    def one_at_a_time(gen):
+    def one_at_a_time(gen, c):
         return [t for s, g, k in zip(seeds, groups, samples)
-                for t in rollout(args.rollout_env, [s], [g], cfg, tokenizer=tok, model=model, generator=gen,
-                                 samples=[k])]
+                for t in rollout(args.rollout_env, [s], [g], c, tokenizer=tok, model=model, generator=gen, samples=[k])]
 
-    runs = {"batched": batched, "batched, no shared header": batched_full_prefill, "one-at-a-time": one_at_a_time}
+    runs = {"one at a time": (one_at_a_time, False), "batched, re-prefill": (batched, False),
+            "batched, KV kept": (batched, True)}
     rates = {name: [] for name in runs}
+    peaks = {name: [] for name in runs}
+    ratios = {"KV kept / one at a time": [], "KV kept / re-prefill": []}
     detail = {}
-    batched(torch.Generator(device).manual_seed(0))                  # warm-up: kernels, caches (not timed)
+    meter = PeakMemory(device)
+    batched(torch.Generator(device).manual_seed(0), cfg)             # warm-up: kernels, caches (not timed)
     for rep in range(args.repeats):
-        order = list(runs) if rep % 2 == 0 else list(runs)[::-1]
+        order = list(runs) if rep % 2 == 0 else list(runs)[::-1]    # alternate against drift
         for name in order:
+            fn, kv = runs[name]
             gen = torch.Generator(device).manual_seed(rep)
-            _sync(device)
+            meter.start()
             t0 = time.perf_counter()
-            trajs = runs[name](gen)
+            trajs = fn(gen, dataclasses.replace(cfg, kv_cache=kv))
             _sync(device)
             dt = time.perf_counter() - t0
+            peaks[name].append(meter.stop())
             tokens = sum(t.response_tokens for tr in trajs for t in tr.turns)
             rates[name].append(tokens / dt)
             detail[name] = (tokens, dt, sum(len(tr.turns) for tr in trajs))
-        rates.setdefault("ratio", []).append(rates["batched"][-1] / rates["one-at-a-time"][-1])
-        rates.setdefault("header", []).append(rates["batched"][-1] / rates["batched, no shared header"][-1])
-    med = {k: statistics.median(v) for k, v in rates.items()}
+        ratios["KV kept / one at a time"].append(rates["batched, KV kept"][-1] / rates["one at a time"][-1])
+        ratios["KV kept / re-prefill"].append(rates["batched, KV kept"][-1] / rates["batched, re-prefill"][-1])
+
+    def same(a, b) -> int:
+        return sum(x.segments[0].input_ids == y.segments[0].input_ids and x.segments[0].loss_mask ==
+                   y.segments[0].loss_mask and x.reward == y.reward for x, y in zip(a, b))
+    greedy = dataclasses.replace(cfg, temperature=0.0)
+    g = {name: fn(torch.Generator(device).manual_seed(0), dataclasses.replace(greedy, kv_cache=kv))
+         for name, (fn, kv) in runs.items()}
+    t = {kv: batched(torch.Generator(device).manual_seed(0), dataclasses.replace(cfg, kv_cache=kv))
+         for kv in (False, True)}
+    med = {k: statistics.median(v) for k, v in {**rates, **ratios}.items()}
     print(f"[rollout] model {args.model} ({path}), env {args.rollout_env}, {P} prompts x {N} rollouts, "
-          f"temperature {cfg.temperature}, {device.type}, threads={torch.get_num_threads()}, repeats={args.repeats}")
+          f"temperature {cfg.temperature}, {device.type}, threads={torch.get_num_threads()}, repeats={args.repeats}; "
+          f"peak memory: {meter.method}")
     for name in runs:
         tokens, dt, turns = detail[name]
         all_r = ", ".join(f"{r:.0f}" for r in rates[name])
-        print(f"[rollout] {name:26s} {med[name]:8.0f} generated tokens/s (median; all: {all_r}); last run "
-              f"{tokens} tokens in {turns} turns, {dt:.1f} s")
-    print(f"[rollout] batched / one-at-a-time (same run): {med['ratio']:.1f}x (median; all: "
-          f"{', '.join(f'{r:.1f}' for r in rates['ratio'])})")
-    print(f"[rollout] shared header / no shared header (same run): {med['header']:.2f}x (median; all: "
-          f"{', '.join(f'{r:.2f}' for r in rates['header'])})")
-    return {"tokens_per_s_batched": med["batched"], "tokens_per_s_single": med["one-at-a-time"],
-            "tokens_per_s_no_shared_header": med["batched, no shared header"], "ratio": med["ratio"],
-            "shared_header_ratio": med["header"]}
+        print(f"[rollout] {name:20s} {med[name]:7.0f} generated tokens/s (median; all: {all_r}); last run {tokens} "
+              f"tokens in {turns} turns, {dt:.1f} s; peak {statistics.median(peaks[name]) / 2 ** 20:.0f} MiB")
+    for name, v in ratios.items():
+        print(f"[rollout] {name} (same run): {med[name]:.2f}x (median; all: {', '.join(f'{r:.2f}' for r in v)})")
+    n = len(seeds)
+    print(f"[rollout] same trajectories (ids, masks, rewards), greedy: one at a time = re-prefill "
+          f"{same(g['one at a time'], g['batched, re-prefill'])}/{n}, re-prefill = KV kept "
+          f"{same(g['batched, re-prefill'], g['batched, KV kept'])}/{n}; temperature {cfg.temperature}: "
+          f"re-prefill = KV kept {same(t[False], t[True])}/{n}")
+    return {"tokens_per_s_single": med["one at a time"], "tokens_per_s_reprefill": med["batched, re-prefill"],
+            "tokens_per_s_kv": med["batched, KV kept"], "ratio_single": med["KV kept / one at a time"],
+            "ratio_reprefill": med["KV kept / re-prefill"], "same_sampled": same(t[False], t[True]),
+            "same_greedy": min(same(g["one at a time"], g["batched, re-prefill"]),
+                               same(g["batched, re-prefill"], g["batched, KV kept"])), "episodes": n}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -365,11 +386,81 @@ def bench_prior(args) -> dict:
                                          for (e, th, t), r in results.items()}}
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Section: gpu
+# ----------------------------------------------------------------------------------------------------------
+
+QWEN_05B = dict(layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864, vocab=151936)  # published shapes
+
+
+def bench_gpu(args) -> dict:
+    """The paper's PPO run on one device: train.py itself, for --gpu-iterations iterations (critic included), on
+    a model with Qwen2.5-0.5B-Instruct's shapes and random weights, written from a config (a lent GPU machine has
+    no hub access). Random weights never close their answer, so every reply runs to --gpu-reply tokens: the
+    longest sequences the paper's budgets allow. Peak memory, seconds per phase, and whether it fits 24 GB."""
+    import json
+    import tempfile
+    from pathlib import Path
+
+    import train
+    from envs import train_seeds
+    from policy import build_tokenizer
+    from rollout import RolloutConfig, random_agent, rollout
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import random
+    device = torch.device(args.device)
+    trajs = rollout("sokoban", train_seeds(0, 16), list(range(16)), RolloutConfig(), agent=random_agent(random.Random(0)))
+    texts = [m["content"] for t in trajs for m in t.messages] + [f"{r}\n" for r in ("system", "user", "assistant")]
+    tok = build_tokenizer(texts + ["Reward: -0.1\nInvalid format or action.\n"], size=args.vocab)
+    config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=32768, rope_theta=1e6,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(Path(tmp) / "model")
+        tok.save_pretrained(Path(tmp) / "model")
+        del model
+        meter = PeakMemory(device)
+        meter.start()
+        t0 = time.perf_counter()
+        out = train.main(["--env", "sokoban", "--algo", "ppo", "--model", str(Path(tmp) / "model"),
+                          "--prompts", str(args.gpu_prompts), "--rollouts", str(args.gpu_rollouts),
+                          "--max-turns", "5", "--max-new-tokens", str(args.gpu_reply), "--filter", str(args.gpu_filter),
+                          "--steps", str(args.gpu_iterations), "--eval-every", "0", "--eval-prompts", "1",
+                          "--save-every", "0", "--device", args.device, "--threads", str(args.threads),
+                          "--out", str(Path(tmp) / "run")])
+        total = time.perf_counter() - t0
+        peak = meter.stop()
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    phases = {k: [r.get(f"time/{k}", 0.0) for r in rows] for k in ("rollout", "prep", "update", "iteration")}
+    tokens = [r["rollout/response_length"] * r["rollout/turns"] * args.gpu_prompts * args.gpu_rollouts for r in rows]
+    fits = peak < 24 * 2 ** 30
+    print(f"[gpu] model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} KV heads, "
+          f"intermediate {args.intermediate}, vocab {args.vocab}, tied: {n_params:,} parameters, random "
+          f"weights; PPO with a critic, {args.gpu_prompts} x {args.gpu_rollouts} rollouts, 5 turns, "
+          f"{args.gpu_reply}-token replies, filter {args.gpu_filter}; {device.type}"
+          f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
+          f"autocast {'bf16' if device.type == 'cuda' else 'off (fp32)'}")
+    for i, r in enumerate(rows):
+        print(f"[gpu] iteration {i + 1}: rollout {phases['rollout'][i]:.1f} s ({tokens[i]:.0f} sampled tokens, "
+              f"{r['rollout/response_length']:.0f} per turn), prep {phases['prep'][i]:.1f} s, update "
+              f"{phases['update'][i]:.1f} s ({r.get('train/rows', 0):.0f} rows), iteration {phases['iteration'][i]:.1f} s")
+    print(f"[gpu] peak memory {peak / 2 ** 30:.2f} GiB ({meter.method}); fits 24 GB: {'yes' if fits else 'no'}; "
+          f"whole run {total:.0f} s (with loading, the final eval on 1 prompt and saving final/)")
+    return {"peak_gib": peak / 2 ** 30, "fits_24gb": fits, "phases": phases, "parameters": n_params,
+            "response_length": [r["rollout/response_length"] for r in rows], "rows": [r.get("train/rows") for r in rows]}
+
+
 SECTIONS = {
     "fused": bench_fused,
     "rollout": bench_rollout,
     "prefix": bench_prefix,
     "prior": bench_prior,
+    "gpu": bench_gpu,
 }
 
 
@@ -394,6 +485,14 @@ def main(argv=None):
     parser.add_argument("--prefix-rows", type=int, default=32, help="SFT rows per batch (the tiny default 32)")
     parser.add_argument("--prior-episodes", type=int, default=64, help="episodes per env/mode/temperature")
     parser.add_argument("--prior-temperatures", default="0.5,1.0", help="eval 0.5, training 1.0")
+    for name, value in QWEN_05B.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
+                            help=f"gpu: model {name.replace('_', ' ')} (Qwen2.5-0.5B: {value})")
+    parser.add_argument("--gpu-prompts", type=int, default=8, help="gpu: P prompts (paper: 8)")
+    parser.add_argument("--gpu-rollouts", type=int, default=16, help="gpu: N rollouts per prompt (paper: 16)")
+    parser.add_argument("--gpu-reply", type=int, default=400, help="gpu: tokens per reply (RAGEN: 400)")
+    parser.add_argument("--gpu-filter", type=float, default=0.25, help="gpu: groups kept (StarPO-S: 0.25)")
+    parser.add_argument("--gpu-iterations", type=int, default=2, help="gpu: training iterations")
     args = parser.parse_args(argv)
     unknown = [s for s in args.sections if s not in SECTIONS]
     if unknown:

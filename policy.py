@@ -201,8 +201,10 @@ def tiny_corpus(envs: list[str], episodes: int, seed: int):
             yield env, think, seeds, trajs
 
 
-def build_tokenizer(texts: list[str]):
-    """A word-level `transformers` tokenizer whose vocabulary is every piece of `texts`; decoding is exact."""
+def build_tokenizer(texts: list[str], size: int | None = None):
+    """A word-level `transformers` tokenizer whose vocabulary is every piece of `texts`; decoding is exact.
+    `size`: pad the vocabulary to this many entries with pieces no text splits into ("¤0", "¤1", ...), for a
+    model of a given vocabulary size (bench.py gpu)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     spaced = [" " + t for t in TAGS]
@@ -213,6 +215,9 @@ def build_tokenizer(texts: list[str]):
     pieces = sorted(pieces | {p[1:] for p in pieces if len(p) == 2 and p[0] == " "})
     vocab = {tok: i for i, tok in enumerate([SPECIAL["unk"], SPECIAL["pad"], SPECIAL["bos"], SPECIAL["eos"]]
                                             + TAGS + spaced + pieces)}
+    if size is not None and size < len(vocab):
+        raise ValueError(f"vocabulary size {size}: the texts alone need {len(vocab)} entries")
+    vocab.update({f"¤{i}": len(vocab) + i for i in range((size or 0) - len(vocab))})
     core = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL["unk"]))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE), behavior="isolated")
     core.decoder = decoders.Fuse()  # pieces carry their own spaces: concatenation restores the text exactly

@@ -29,12 +29,14 @@ Deviations from the paper / RAGEN (deliberate):
    EOS (then that sampled token closes the turn, and the reply's text leaves it to the template).
 3. A reply that parses but names an invalid action gets the format penalty once per turn and its valid actions
    still run (the issue's rule); RAGEN stops at the first invalid action.
-4. Decoding is our own loop over `model.base_model` + the LM head (not `generate()`), so it works the same on
-   transformers 4.x and 5.x, computes logits for the last position only (a [B, T, V] prefill tensor would be
-   ~46 GB for Qwen at 128 x 600 tokens), and drops finished rows from the batch and KV cache. The prompt
-   header that all rows share is prefilled once per turn and its cache repeated; the rest of each prompt is
-   prefilled again every turn (no KV cache kept across turns): simple, and still most of a rollout's time
-   on the tiny policy (bench.py rollout).
+4. Decoding is our own loop over `model.base_model` + the LM head (not `generate()`; RAGEN samples with vLLM),
+   so it works the same on transformers 4.x and 5.x and computes logits for the last position only (a
+   [B, T, V] prefill tensor would be ~46 GB for Qwen at 128 x 600 tokens). Each episode's KV cache lives across
+   its turns (`EpisodeCache`): a turn runs only what was appended since the last one (the reply's last token,
+   the template close, the feedback, the next state), the N rollouts of a prompt run their shared first prompt
+   once, and a reply's cache is allocated once (`ReplyCache`). It is the same math as re-prefilling every
+   prompt (`kv_cache=False`) up to float rounding of the logits (~1e-6 in float32: identical samples observed
+   in bench.py rollout, not guaranteed; tested exactly in float64). A history window re-prefills its prompt.
 5. The random agent (the baseline and the tiny policy's warm-up data) draws each action of a turn among the
    actions valid after the previous ones, planned on a copy of the env as the expert's plan is: WebShop's
    clickables change with the page, so a plan drawn from the first page alone would be mostly invalid.
@@ -47,9 +49,11 @@ import re
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from envs import make_env
-from starpo import cache_keyword, prefill_shared_prefix, shared_prefix_len
+from policy import autocast_dtype
+from starpo import cache_keyword, shared_prefix_len
 
 SYSTEM_PROMPT = "You're a helpful assistant."
 ANSWER_RE = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
@@ -68,6 +72,7 @@ class RolloutConfig:
     max_new_tokens: int = 100
     temperature: float = 1.0  # 0 = greedy
     share_prefix: bool = True  # prefill the rows' common prompt header once (speed only: same math, see generate)
+    kv_cache: bool = True  # keep each episode's KV cache across turns, prefill a group's first prompt once (speed)
 
 
 @dataclass
@@ -202,75 +207,199 @@ def closing_tokens(tokenizer) -> frozenset:
     return hit[1]
 
 
+@dataclass
+class EpisodeCache:
+    """The keys and values of the first `length` tokens of one episode's conversation, kept between its turns."""
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [H_kv, t, D]
+
+    @property
+    def length(self) -> int:
+        return self.kv[0][0].shape[1]
+
+
+class ReplyCache(DynamicCache):
+    """A DynamicCache with room for `capacity` positions per layer, allocated once per reply: a decode step writes
+    its column in place, where DynamicCache.update concatenates (a copy of the whole cache at every step).
+    The parent class holds views of the filled part, so its length and mask bookkeeping stays its own."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity, self.buffers, self.filled = capacity, [], []  # per layer: (keys, values) [B, H_kv, cap, D]
+
+    def allocate(self, like_k: torch.Tensor, like_v: torch.Tensor, rows: int):
+        """Append one layer's empty buffers, shaped like these keys and values ([*, H_kv, *, D])."""
+        self.buffers.append(tuple(x.new_empty((rows, x.shape[1], self.capacity, x.shape[3])) for x in (like_k, like_v)))
+        self.filled.append(0)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        if layer_idx == len(self.buffers):
+            self.allocate(key_states, value_states, key_states.shape[0])
+        (k, v), n, m = self.buffers[layer_idx], self.filled[layer_idx], key_states.shape[2]
+        k[:, :, n:n + m], v[:, :, n:n + m] = key_states, value_states
+        self.filled[layer_idx] = n + m
+        return self._expose(layer_idx)
+
+    def _expose(self, layer_idx):
+        (k, v), n = self.buffers[layer_idx], self.filled[layer_idx]
+        k, v = k[:, :, :n], v[:, :, :n]
+        if hasattr(self, "layers"):  # transformers 5.x keeps one DynamicLayer per layer
+            while len(self.layers) <= layer_idx:
+                self.layers.append(self.layer_class_to_replicate())
+            layer = self.layers[layer_idx]
+            if not layer.is_initialized:
+                layer.lazy_initialization(k, v)
+            layer.keys, layer.values = k, v
+        elif len(self.key_cache) <= layer_idx:  # transformers 4.x keeps two lists
+            self.key_cache.append(k)
+            self.value_cache.append(v)
+        else:
+            self.key_cache[layer_idx], self.value_cache[layer_idx] = k, v
+        return k, v
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        """Keep rows `indices` (repeats allowed), copying only the filled columns."""
+        for layer_idx, ((k, v), n) in enumerate(zip(self.buffers, self.filled)):
+            self.buffers[layer_idx] = (k.new_empty((len(indices), *k.shape[1:])), v.new_empty((len(indices), *v.shape[1:])))
+            self.buffers[layer_idx][0][:, :, :n] = k[indices, :, :n]
+            self.buffers[layer_idx][1][:, :, :n] = v[indices, :, :n]
+            self._expose(layer_idx)
+
+
+def batch_cache(rows: list[EpisodeCache | None], width: int, capacity: int) -> ReplyCache:
+    """The rows' caches as one ReplyCache with room for `capacity` positions, each row left-padded to `width`:
+    [B, H_kv, width, D] filled per layer. The pads are zeros; the caller's attention mask hides them."""
+    cache = ReplyCache(capacity)
+    some = next((r for r in rows if r is not None), None)
+    if some is None or width == 0:
+        return cache
+    for layer, (k0, v0) in enumerate(some.kv):
+        cache.allocate(k0[None], v0[None], len(rows))
+        for buf, i in zip(cache.buffers[layer], (0, 1)):
+            buf[:, :, :width].zero_()
+            for j, r in enumerate(rows):
+                if r is not None and r.length:
+                    buf[j, :, width - r.length:width] = r.kv[layer][i]
+        cache.filled[layer] = width
+        cache._expose(layer)
+    return cache
+
+
+def row_cache(cache, j: int, spans: list[tuple[int, int]]) -> EpisodeCache:
+    """Row j of a batch cache, keeping only the column ranges `spans` (its real tokens, in order)."""
+    kv = []
+    for layer in cache:  # transformers 4.x yields (keys, values), 5.x (keys, values, sliding window)
+        k, v = layer[0][j], layer[1][j]  # [H_kv, T, D]
+        kv.append((torch.cat([k[:, a:b] for a, b in spans], dim=1), torch.cat([v[:, a:b] for a, b in spans], dim=1)))
+    return EpisodeCache(kv)
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float,
-             generator: torch.Generator | None, share_prefix: bool = True) -> list[list[int]]:
-    """Sample one reply per prompt, all rows in one batch with a KV cache; -> sampled ids per row.
+             generator: torch.Generator | None, share_prefix: bool = True, past: list | None = None,
+             keep_cache: bool = False, dedupe: bool = False) -> tuple[list[list[int]], list]:
+    """Sample one reply per prompt, all rows in one batch with a KV cache; -> (sampled ids per row, caches).
 
-    Left padding with explicit position ids (a row's first real token is position 0). Rows that emitted an end
-    token (the tokenizer's EOS or the model's generation_config eos ids) or whose last tokens' text contains
-    "</answer>" leave the batch (and the KV cache).
+    `past[i]` (an EpisodeCache or None) holds row i's keys and values for `prompts[i][:past[i].length]`, its
+    conversation up to the last turn: only the rest of the prompt is run. With `keep_cache` the second output
+    holds each row's cache after its reply (prompt + sampled tokens but the last one, which no forward pass has
+    read yet), to pass as `past` at the next turn; else it is all None. `dedupe`: identical rows without a past
+    (the N rollouts of one prompt at turn 1) are prefilled once and their cache copied.
+
+    Layout: [cache columns, each row's past left-padded | prompt columns, each row's new tokens left-padded],
+    then one column per decode step; pads are masked out and position ids count real tokens only. Rows that
+    emitted an end token (the tokenizer's EOS or the model's generation_config eos ids) or whose last tokens'
+    text contains "</answer>" leave the batch (and the cache).
     """
     device = next(model.parameters()).device
     B = len(prompts)
-    # The prompt header that every row shares (system prompt, instructions) is prefilled once, as a batch of 1,
-    # and its KV cache repeated to B rows; each row then prefills only the rest, left-padded after the header:
-    # [header | pads | rest], pads masked out, positions counting real tokens only.
-    P = shared_prefix_len(prompts) if (share_prefix and B > 1) else 0
-    L = max(len(p) for p in prompts) - P
+    past = list(past) if past is not None else [None] * B
+    # distinct rows: with `dedupe`, rows with the same prompt and no past run once, then are copied (src)
+    uniq, src, seen = [], [], {}
+    for i, (p, c) in enumerate(zip(prompts, past)):
+        key = tuple(p) if (dedupe and c is None) else i
+        if key not in seen:
+            seen[key] = len(uniq)
+            uniq.append(i)
+        src.append(seen[key])
+    U = len(uniq)
+    ctx = [past[i] for i in uniq]
+    lens = [0 if c is None else c.length for c in ctx]                  # tokens each row has a cache for
+    todo = [prompts[i][n:] for i, n in zip(uniq, lens)]                 # tokens to run now
+    cache_kw = cache_keyword(model)  # the KV cache's name differs between transformers versions
+    # The prompt header that every row shares (system prompt, instructions) runs once, as a batch of 1, and its
+    # cache is repeated to the U rows; it becomes their cache columns.
+    P = shared_prefix_len(todo) if (share_prefix and U > 1 and not any(lens)) else 0
+    if P:
+        header = model.base_model(input_ids=torch.tensor([todo[0][:P]], device=device), use_cache=True,
+                                  **{cache_kw: ReplyCache(P)})[cache_kw]
+        ctx, lens, todo = [row_cache(header, 0, [(0, P)])] * U, [P] * U, [t[P:] for t in todo]
+    C, M = max(lens), max(len(t) for t in todo)
+    cache = batch_cache(ctx, C, C + M + max_new_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    ids = torch.full((B, L), pad, dtype=torch.long)                     # [B, T] the rows after the header
-    attn = torch.zeros((B, P + L), dtype=torch.long)                    # [B, T] header + rows
-    attn[:, :P] = 1
-    for i, p in enumerate(prompts):
-        ids[i, L - len(p) + P:] = torch.tensor(p[P:])
-        attn[i, P + L - len(p) + P:] = 1
-    ids, attn = ids.to(device), attn.to(device)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)[:, P:]                     # [B, T] position of each row token
+    ids = torch.full((U, M), pad, dtype=torch.long)                     # [U, M] new tokens, left-padded
+    pos = torch.zeros((U, M), dtype=torch.long)                         # [U, M] their positions
+    attn = torch.zeros((U, C + M), dtype=torch.long)                    # [U, C + M] cache + new columns
+    for j, (n, t) in enumerate(zip(lens, todo)):
+        ids[j, M - len(t):] = torch.tensor(t)
+        pos[j, M - len(t):] = torch.arange(n, n + len(t))
+        attn[j, C - n:C] = 1
+        attn[j, C + M - len(t):] = 1
+    spans = [[(C - n, C), (C + M - len(t), None)] for n, t in zip(lens, todo)]  # a row's real columns
+    out = model.base_model(input_ids=ids.to(device), attention_mask=attn.to(device), position_ids=pos.to(device),
+                           use_cache=True, **{cache_kw: cache})
+    cache = out[cache_kw]
+    hidden = out.last_hidden_state[:, -1]                               # [U, H]
+    attn = attn.to(device)
+    if U < B:  # copy the distinct rows back out to all B
+        idx = torch.tensor(src, device=device)
+        cache.batch_select_indices(idx)
+        hidden, attn, spans = hidden[idx], attn[idx], [spans[s] for s in src]
     head = model.get_output_embeddings()
     stop_ids = {tokenizer.eos_token_id}   # + the model's own end tokens (Qwen2.5: <|im_end|> and <|endoftext|>)
     gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     stop_ids |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else {gen_eos}
     closers = closing_tokens(tokenizer)
     out_ids: list[list[int]] = [[] for _ in range(B)]
-    rows = torch.arange(B)                                              # which original rows are still live
-    cache_kw = cache_keyword(model)  # the KV cache's name differs between transformers versions
-    header = prefill_shared_prefix(model, torch.tensor([prompts[0][:P]], device=device), B)[1] if P else {}
-    out = model.base_model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, **header)
-    past = out[cache_kw]
-    hidden = out.last_hidden_state[:, -1]                               # [B, H]
-    for _ in range(max_new_tokens):
-        logits = head(hidden).float()                                   # [B, V]
+    caches: list = [None] * B
+    rows = list(range(B))                                               # the original row at each batch position
+    live = list(range(B))                                               # batch positions still sampling
+    pad = torch.full((B, 1), pad, dtype=torch.long, device=device)      # the token fed to finished positions
+    for step in range(max_new_tokens):
+        sel = torch.tensor(live, device=device)
+        logits = head(hidden[sel]).float()                              # [b, V], live positions only
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
-            nxt = torch.multinomial(probs, 1, generator=generator)      # [B, 1]
+            nxt = torch.multinomial(probs, 1, generator=generator)      # [b, 1]
         else:
             nxt = logits.argmax(-1, keepdim=True)
-        keep = []
-        for j, (r, t) in enumerate(zip(rows.tolist(), nxt[:, 0].tolist())):  # one host sync per token step
+        still = []
+        for j, t in zip(live, nxt[:, 0].tolist()):                      # one host sync per token step
+            r = rows[j]
             out_ids[r].append(t)
             # decode the tail only when this token can close "</answer>" (its text holds a ">"): decoding every
             # row at every step dominated the rollout time of small models
             done = t in stop_ids or (t in closers and STOP_TEXT in tokenizer.decode(out_ids[r][-8:],
                                                                                      skip_special_tokens=False))
-            if not done:  # `in` above: a BPE token may carry text past the ">"
-                keep.append(j)
-        if not keep:
+            if not done and step < max_new_tokens - 1:  # `in` above: a BPE token may carry text past the ">"
+                still.append(j)
+            elif keep_cache:  # everything run so far: its prompt and every sampled token but this last one
+                caches[r] = row_cache(cache, j, [(a, b if b is not None else attn.shape[1]) for a, b in spans[r]])
+        if not still:
             break
-        if len(keep) < len(rows):
-            k = torch.tensor(keep, device=device)
-            if hasattr(past, "batch_select_indices"):
-                past.batch_select_indices(k)
-            else:  # legacy tuple cache
-                past = tuple(tuple(x[k] for x in layer) for layer in past)
-            rows, nxt, attn = rows[torch.tensor(keep)], nxt[k], attn[k]
+        feed = pad[:len(rows)].index_copy(0, sel, nxt)                  # [b, 1]
+        # Finished rows leave the batch (and the cache) once they are half of it: dropping rows copies the whole
+        # cache, which costs more than carrying a few finished rows through the remaining steps.
+        if len(still) <= len(rows) // 2:
+            k = torch.tensor(still, device=device)
+            cache.batch_select_indices(k)
+            rows, feed, attn, still = [rows[j] for j in still], feed[k], attn[k], list(range(len(still)))
+        live = still
         attn = torch.cat([attn, attn.new_ones(len(rows), 1)], dim=1)
-        pos = attn.sum(-1, keepdim=True) - 1
-        out = model.base_model(input_ids=nxt, attention_mask=attn, position_ids=pos, use_cache=True,
-                               **{cache_kw: past})
-        past = out[cache_kw]
+        out = model.base_model(input_ids=feed, attention_mask=attn, position_ids=attn.sum(-1, keepdim=True) - 1,
+                               use_cache=True, **{cache_kw: cache})
+        cache = out[cache_kw]
         hidden = out.last_hidden_state[:, -1]
-    return out_ids
+    return out_ids, caches
 
 
 # ----------------------------------------------------------------------------- scripted agents
@@ -349,6 +478,13 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
     user_msgs: list[list[str]] = [[] for _ in envs]   # user message of each turn (feedback + turn text)
     replies: list[list[str]] = [[] for _ in envs]
     running: list[Segment | None] = [None] * len(envs)  # the growing sequence when context_turns == 0
+    # Each episode's keys and values live across its turns, so a turn runs only its new tokens. A history window
+    # (context_turns > 0) moves the start of the prompt every turn, which changes every later position: there
+    # the whole window is prefilled again (its shared header still runs once).
+    keep = cfg.kv_cache and cfg.context_turns == 0 and model is not None
+    device = next(model.parameters()).device if model is not None else None
+    amp = autocast_dtype(device) if model is not None else None
+    past: list[EpisodeCache | None] = [None] * len(envs)
     close = turn_close(tokenizer) if tokenizer is not None else None
     for k in range(1, cfg.max_turns + 1):
         if not live:
@@ -381,8 +517,12 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
             if tokenizer is not None:
                 sampled = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
         else:
-            sampled = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, generator,
-                               cfg.share_prefix)
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):  # bf16 on CUDA (policy.py)
+                sampled, caches = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, generator,
+                                           cfg.share_prefix, past=[past[i] for i in live], keep_cache=keep,
+                                           dedupe=cfg.kv_cache)
+            for j, i in enumerate(live):
+                past[i] = caches[j]
             # a sampled end-of-turn token is not part of the reply's text: the chat template writes it
             texts = [tokenizer.decode(s[:-1] if s[-1] == tokenizer.eos_token_id else s, skip_special_tokens=False)
                      for s in sampled]
@@ -413,6 +553,8 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
             trajs[i].done = envs[i].done
             if not envs[i].done and left[i] > 0:
                 still.append(i)
+            else:
+                past[i] = None  # the episode is over: free its cache
         live = still
     for i, t in enumerate(trajs):
         t.messages = full_messages(hdr[i], user_msgs[i], replies[i])

@@ -379,13 +379,12 @@ def prefill_shared_prefix(model: torch.nn.Module, prefix: torch.Tensor, rows: in
     """Run the prefix [1, P] that `rows` rows share through `model.base_model` once; -> its last hidden states
     [1, P, H] and its KV cache repeated to `rows` rows, as {keyword: cache} to pass on with the rows' tokens.
     The repeat is part of the autograd graph: under grad, the prefix receives the sum of the rows' gradients."""
+    from transformers import DynamicCache
     kw = cache_keyword(model)
-    out = model.base_model(input_ids=prefix, use_cache=True)
+    # an explicit DynamicCache: given none, transformers 4.x returns the legacy tuple format
+    out = model.base_model(input_ids=prefix, use_cache=True, **{kw: DynamicCache()})
     cache = out[kw]
-    if hasattr(cache, "batch_repeat_interleave"):
-        cache.batch_repeat_interleave(rows)
-    else:  # legacy tuple cache
-        cache = tuple(tuple(x.repeat_interleave(rows, dim=0) for x in layer) for layer in cache)
+    cache.batch_repeat_interleave(rows)
     return out.last_hidden_state, {kw: cache}
 
 
@@ -491,9 +490,9 @@ class Batch:
     """One row per training trajectory; every tensor is [B, T], right-padded, aligned by token position."""
     input_ids: torch.Tensor  # [B, T] long
     attention_mask: torch.Tensor  # [B, T] long
-    loss_mask: torch.Tensor  # [B, T] float, 1 on policy-sampled tokens
-    old_logp: torch.Tensor  # [B, T] log-probs under the rollout policy
+    loss_mask: torch.Tensor  # [B, T] float, 1 on the tokens trained
     advantages: torch.Tensor  # [B, T]
+    old_logp: torch.Tensor | None = None  # [B, T] log-probs under the rollout policy; None: see `update`
     ref_logp: torch.Tensor | None = None  # [B, T] log-probs under the initial policy (KL)
     returns: torch.Tensor | None = None  # [B, T] critic targets (PPO)
     old_values: torch.Tensor | None = None  # [B, T] critic values at rollout time (PPO)
@@ -612,6 +611,10 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     mini-batch, so accumulation equals one big batch. `reduce_count` maps this process's mini-batch count (a
     0-dim tensor) to the count to divide by, e.g. an all-reduce sum across data-parallel ranks; default: as is.
 
+    `batch.old_logp = None`: the batch is fresh rollouts of this very policy and fits one mini-batch, updated once.
+    The first (here: only) step's ratio is then exactly 1, so its old log-probs are its own forward's, detached,
+    and the caller skips a forward pass whose result is known (TRL's GRPO does the same with one step per batch).
+
     Data parallel, `shard=(rank, world)` with world > 1: `batch` and `generator` are the same on every rank (so
     are the mini-batches), and this rank trains rows rank, rank + world, ... of each mini-batch (see
     `micro_batches`); `policy` is DistributedDataParallel(TokenLogprobs(model)) and `critic` DDP(critic). The
@@ -648,6 +651,9 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     autocast = (lambda: torch.autocast(device_type=device.type, dtype=autocast_dtype)) \
         if autocast_dtype is not None else contextlib.nullcontext
     has_ref = batch.ref_logp is not None
+    if batch.old_logp is None and len(batch) > cfg.mini_batch:
+        raise ValueError("without old_logp the batch must fit one mini-batch (one optimizer step): after the first "
+                         "step the updated policy is no longer the rollout policy")
     perm = torch.randperm(len(batch), generator=generator).to(device)
 
     zero = lambda: torch.zeros((), device=device)  # noqa: E731
@@ -682,7 +688,9 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
                 with autocast():
                     logp, ent = token_logprobs(policy, mi.input_ids, mi.attention_mask, cfg.temperature, cfg.fused,
                                                cfg.chunk_size, prefix_len=mi.prefix_len)
-                pg, pm = policy_loss(logp, mi.old_logp, mi.advantages, mi.loss_mask, cfg.clip_low, cfg.clip_high,
+                # no old_logp: the batch is one optimizer step on fresh rollouts, whose policy is this one
+                old_logp = mi.old_logp if mi.old_logp is not None else logp.detach()
+                pg, pm = policy_loss(logp, old_logp, mi.advantages, mi.loss_mask, cfg.clip_low, cfg.clip_high,
                                      cfg.agg, cfg.dual_clip, denom=denom)
                 loss = pg - cfg.entropy_coef * aggregate(ent, mi.loss_mask, cfg.agg, denom)
                 if has_ref:

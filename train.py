@@ -107,7 +107,7 @@ class Config:
     eval_every: int = cli.flag(10, "evaluate every this many iterations (0 = only at the end)")
     eval_prompts: int | None = cli.flag(None, "eval prompts, <= 256 (default: tiny 128, hub models 256)")
     eval_temperature: float = cli.flag(0.5, "eval sampling temperature (paper: 0.5)")
-    save_every: int = cli.flag(10, "checkpoint every this many iterations")
+    save_every: int = cli.flag(10, "checkpoint every this many iterations (0 = none, only final/)")
     dump_trajectories: int = cli.flag(3, "trajectories written as text at each eval")
     stop_on_collapse: bool = cli.flag(False, "end the run cleanly when the Echo Trap monitor fires")
     seed: int = cli.flag(0, "seed of everything (training seeds, sampling, mini-batch order)")
@@ -149,7 +149,7 @@ def derive(cfg: Config, explicit: set[str]) -> Config:
         (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0"),
         (cfg.context_turns >= 0, f"--context-turns {cfg.context_turns}: must be >= 0"),
         (cfg.steps >= 1, f"--steps {cfg.steps}: must be >= 1"),
-        (cfg.eval_every >= 0 and cfg.save_every >= 1, "--eval-every must be >= 0 and --save-every >= 1"),
+        (cfg.eval_every >= 0 and cfg.save_every >= 0, "--eval-every and --save-every must be >= 0"),
         (1 <= cfg.eval_prompts <= 256, f"--eval-prompts {cfg.eval_prompts}: must be in 1..256"),
         (cfg.seed >= 0, f"--seed {cfg.seed}: must be >= 0"),
         (cfg.threads >= 1, f"--threads {cfg.threads}: must be >= 1"),
@@ -164,6 +164,11 @@ def rollout_config(cfg: Config, temperature: float) -> RolloutConfig:
                          max_actions=cfg.max_actions, format_penalty=cfg.format_penalty, think=cfg.think,
                          context_turns=cfg.context_turns, max_new_tokens=cfg.max_new_tokens,
                          temperature=temperature)
+
+
+def evaluates(cfg: Config, it: int) -> bool:
+    """Whether iteration `it` (0-based) ends with an eval: every eval_every iterations and the last one."""
+    return bool(cfg.eval_every and (it + 1) % cfg.eval_every == 0) or it + 1 == cfg.steps
 
 
 # ------------------------------------------------------------------------------------------- the batch
@@ -418,11 +423,14 @@ def main(argv=None):
         m.update({f"rollout/{k}": fstats[k] for k in ("in_group_std", "in_group_std_max", "chosen_in_group_std",
                                                       "filter_kept", "zero_std_groups")})
         kept = [t for t in trajs if keep[t.group_id]]
-        m["train/skipped_zero_std"] = float(fstats["all_zero_std"])
+        # With every group's rewards equal, GRPO's advantages are all 0: the update would be a silent no-op, so it
+        # is skipped and logged. PPO's are R - V(s): its policy, entropy bonus and critic still learn.
+        skip = fstats["all_zero_std"] and cfg.algo == "grpo"
+        m["train/skipped_zero_std"] = float(skip)
 
         # 3. old log-probs, reference log-probs, values, advantages (no grad)
         t1 = time.time()
-        if not fstats["all_zero_std"]:
+        if not skip:
             scores = torch.tensor([t.reward for t in kept])
             if cfg.algo == "grpo":
                 adv_traj = grpo_advantages(scores, [t.group_id for t in kept], norm_by_std=cfg.grpo_std_norm)
@@ -434,11 +442,16 @@ def main(argv=None):
             r = dist.my_range(len(ids))  # this rank computes rows r; gathered, every rank holds the whole batch
             share = lambda fn: dist.gather_rows(per_token(fn, ids[r.start:r.stop], attn[r.start:r.stop],
                                                           cfg.micro_batch), len(ids))
+            # No forward pass whose answer is known: one optimizer step on these fresh rollouts has ratio 1, so
+            # update() takes the old log-probs from its own forward. Without a KL loss the reference only feeds
+            # the train/kl_to_init monitor, measured on the iterations that evaluate.
+            one_step = len(ids) <= cfg.mini_batch and cfg.online_k == 1
+            watch_kl = cfg.kl_coef > 0 or evaluates(cfg, it)
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
                 lp = lambda model: (lambda i, a: token_logprobs(model, i, a, cfg.temperature, cfg.fused,
                                                                 prefix_len=pre)[0].float())
-                old_logp = share(lp(policy))                                          # [B, T]
-                ref_logp = share(lp(ref))                                             # [B, T]
+                old_logp = None if one_step else share(lp(policy))                   # [B, T]
+                ref_logp = share(lp(ref)) if watch_kl else None                       # [B, T]
                 values = share(lambda i, a: critic(i, a).float()) if critic is not None else None  # [B, T]
             if cfg.algo == "grpo":
                 adv, returns = broadcast_to_tokens(row_adv.to(device), mask), None
@@ -446,8 +459,8 @@ def main(argv=None):
                 token_rewards = place_reward_on_last_token(row_scores.to(device), mask)
                 adv, returns = gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
                 adv = whiten(adv, mask)  # over the global batch: every rank holds all of it
-            batch = Batch(input_ids=ids, attention_mask=attn, loss_mask=mask, old_logp=old_logp,
-                          advantages=adv, ref_logp=ref_logp, returns=returns, old_values=values, prefix_len=pre)
+            batch = Batch(input_ids=ids, attention_mask=attn, loss_mask=mask, advantages=adv, old_logp=old_logp,
+                          ref_logp=ref_logp, returns=returns, old_values=values, prefix_len=pre)
             m["time/prep"] = time.time() - t1
 
             # 4. update: online_k passes over the batch (paper Figure 7). The shuffle is the same on every rank
@@ -475,7 +488,7 @@ def main(argv=None):
             if cfg.stop_on_collapse and warnings:
                 stop_reason = warnings[0]
             last = it + 1 == cfg.steps or stop_reason is not None
-            if (cfg.eval_every and (it + 1) % cfg.eval_every == 0) or last:
+            if evaluates(cfg, it) or last:
                 t3 = time.time()
                 em, etrajs = evaluate(cfg.env, eval_rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
                                       env_overrides=env_overrides)
@@ -486,7 +499,7 @@ def main(argv=None):
             m["time/iteration"] = time.time() - t0
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
-            if (it + 1) % cfg.save_every == 0 or last:
+            if cfg.save_every and ((it + 1) % cfg.save_every == 0 or last):
                 save_checkpoint(out, it + 1, policy, tok, critic, opt, critic_opt, monitor, cfg)
             tqdm.write(line(m))
         stop_reason = dist.broadcast_object(stop_reason)  # rank 0 decides; the others wait here meanwhile

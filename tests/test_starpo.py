@@ -357,7 +357,7 @@ def make_batch(model, B=8, T=20, seed=7, with_ref=False, with_critic=None):
         with torch.no_grad():
             extra["old_values"] = with_critic(ids, attn)
         extra["returns"] = extra["old_values"] + torch.randn(B, T, generator=gen)
-    return Batch(ids, attn, loss_mask, old_logp, adv, **extra)
+    return Batch(ids, attn, loss_mask, adv, old_logp, **extra)
 
 
 def test_first_update_on_fresh_rollouts_has_ratio_exactly_one():
@@ -373,6 +373,28 @@ def test_first_update_on_fresh_rollouts_has_ratio_exactly_one():
     assert set(out) == {"train/pg_loss", "train/entropy", "train/grad_norm", "train/pg_clipfrac",
                         "train/pg_clipfrac_upper", "train/pg_clipfrac_lower", "train/approx_kl",
                         "train/skipped_nonfinite", "train/optimizer_steps"}
+
+
+def test_without_old_logp_one_step_equals_the_separate_old_logp_pass():
+    """A batch that is one optimizer step on fresh rollouts needs no old-log-prob pass: update() takes them from
+    its own forward, detached. Same weights, same metrics; a batch of two mini-batches is refused."""
+    import dataclasses
+    results = []
+    for old in (True, False):
+        model = tiny_qwen()
+        batch = make_batch(model, with_ref=True)
+        if not old:
+            batch = dataclasses.replace(batch, old_logp=None)
+        out = update(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch,
+                     UpdateConfig(mini_batch=8, micro_batch=3), generator=torch.Generator().manual_seed(0))
+        results.append((out, torch.cat([p.detach().flatten() for p in model.parameters()])))
+    (a, wa), (b, wb) = results
+    assert torch.allclose(wa, wb, atol=1e-6, rtol=0)
+    for k, v in a.items():
+        assert b[k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+    with pytest.raises(ValueError, match="one mini-batch"):
+        update(model, torch.optim.AdamW(model.parameters(), lr=1e-3), dataclasses.replace(batch, old_logp=None),
+               UpdateConfig(mini_batch=4), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
@@ -464,7 +486,7 @@ def test_bad_config_and_inputs_raise():
         update(model, torch.optim.SGD(model.parameters(), lr=0.1), batch, UpdateConfig(), critic=TinyCritic(),
                critic_optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="shape"):
-        Batch(batch.input_ids, batch.attention_mask, batch.loss_mask[:, :3], batch.old_logp, batch.advantages)
+        Batch(batch.input_ids, batch.attention_mask, batch.loss_mask[:, :3], batch.advantages, batch.old_logp)
     with pytest.raises(ValueError, match="temperature"):
         fused_logprobs_entropy(torch.zeros(2, 4), torch.zeros(8, 4), None, torch.zeros(2, dtype=torch.long), 0.0)
 
