@@ -49,6 +49,18 @@ def place_reward_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torc
     return token_rewards
 
 
+def kl_penalized_rewards(token_rewards: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
+                         mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """StarPO's KL for PPO as the paper ran it (RAGEN's apply_kl_penalty with `kl_penalty: kl`): every trained token
+    pays coef x (old_logp - ref_logp), the k1 estimate of KL(pi_old || pi_ref), in its reward; GAE then spreads
+    it. All [B, T]; 0 outside the mask."""
+    if not (token_rewards.shape == old_logp.shape == ref_logp.shape == mask.shape):
+        raise ValueError(f"token_rewards, old_logp, ref_logp and mask must share one [B, T] shape, got "
+                         f"{tuple(token_rewards.shape)}, {tuple(old_logp.shape)}, {tuple(ref_logp.shape)}, "
+                         f"{tuple(mask.shape)}")
+    return token_rewards - coef * torch.where(mask > 0, old_logp.float() - ref_logp.float(), 0.0)
+
+
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
         lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over the sampled tokens of multi-turn sequences (Appendix A).

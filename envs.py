@@ -1,4 +1,4 @@
-"""Text environments of the RAGEN paper: Bandit, Sokoban (three variants) and FrozenLake, with experts.
+"""Text environments of the RAGEN paper: Bandit (three arm namings), Sokoban (three variants), FrozenLake.
 
 Concept: every environment is a small, seeded, text-in/text-out class with one public shape
 (`make_env`, `name`, `actions`, `instruction`, `reset(seed)`, `step(action)`, `render()`,
@@ -7,22 +7,27 @@ payoff, risk-sensitive reasoning), Sokoban (multi-turn, deterministic, irreversi
 FrozenLake (multi-turn, stochastic transitions). Evaluation uses 256 fixed prompts (Section 3.3):
 `EVAL_SEEDS` = 123..378; `train_seeds` draws training seeds that can never collide with them.
 The initial state (room/map generation, arm order) comes from a `numpy.random.Generator` seeded by
-`reset(seed)`; the dynamics' noise (bandit payoffs, slips) from a second one seeded by (seed, sample), where
-`sample` (default 0) numbers the rollouts of one prompt. So (seed, sample, action words) fully determine an
-episode, and the N rollouts of a group share their start but not their luck (see deviation 2).
+`reset(seed)`; the dynamics' noise (bandit payoffs, slips) from a second one seeded by (seed, sample). So
+(seed, sample, action words) fully determine an episode; rollouts with the same seed share their start, and
+with the same sample also their luck (deviation 2).
 The experts feed the SFT baseline (Appendix G: BFS expert trajectories) and the tests.
 
 Deliberate deviations from the paper or RAGEN's code:
-1. Bandit safe arm pays 0.15 (paper Appendix); RAGEN's code pays 0.1. Risky arm: 1.0 w.p. 0.25 else 0.
-2. Rollouts of one prompt draw independent payoffs/slips through `reset(seed, sample)` (RAGEN adds a
-   per-instance counter to the seed for the same purpose). With one shared noise stream per prompt, GRPO
-   would compare the arms on a single coin flip per group: 3 groups in 4 would then rank the safe arm
-   higher, and a group-normalised update would learn the wrong arm. The instruction and `actions` list the arms alphabetically (identical
-   for `bandit` and `bandit-rev`); only the observation lists them in a random order per reset.
-3. Randomness: one numpy Generator per reset instead of RAGEN's global `random` + legacy numpy
-   seeding, so a given seed gives a different room/map than RAGEN (same generator algorithm, same
-   distribution). A failed Sokoban generation attempt continues the same stream instead of RAGEN's
-   re-seeding with `hash(str(seed))` (which depends on the process's hash salt).
+1. Bandit safe arm pays 0.15, as the paper's Appendix states; RAGEN's code (BanditEnvConfig.lo_arm_score) pays
+   0.1. Risky arm: 1.0 w.p. 0.25 else 0 in both. The held-out pair of names RAGEN evaluates generalisation on
+   (config/envs.yaml BanditTest: safe "Trader", risky "Librarian") is the env `bandit-test`.
+2. The N rollouts of one prompt share its start; whether they also share the dynamics' noise (payoffs, slips)
+   is the caller's choice through `reset(seed, sample)`: the same `sample` gives the same noise. RAGEN seeds all
+   N rollouts of a group alike (es_manager._expand_seed), so the same actions meet the same payoff or slips
+   (train.py --group-noise shared, its default); `independent` numbers the rollouts 0..N-1. The instruction and
+   `actions` list the arms alphabetically (identical for `bandit` and `bandit-rev`); only the observation lists
+   them in a random order per reset.
+3. Randomness: Sokoban draws from one numpy Generator per reset instead of RAGEN's global `random` + legacy
+   numpy seeding, so a given seed gives a different room than RAGEN (same generator algorithm, same
+   distribution), and a failed generation attempt continues the same stream instead of RAGEN's re-seeding with
+   `hash(str(seed))` (which depends on the process's hash salt). FrozenLake's maps are drawn as RAGEN draws
+   them and equal RAGEN's on all 256 eval seeds (found in a comparison against RAGEN's code); only the slip
+   draws differ (gymnasium's own np_random there, the `sample` stream here).
 4. Sokoban generation follows RAGEN/gym-sokoban: random-walk topology (int(1.7 * (h + w)) steps,
    p_change_directions 0.35, five masks), targets and player placed on the floor, reverse play by a
    depth-limited DFS that scores states by box_swaps * box displacement (4 topology tries), then
@@ -209,6 +214,12 @@ class BanditRevEnv(BanditEnv):
     """Same names, roles swapped: tests whether a policy learnt the names or the payoffs (Table 3)."""
     name = "bandit-rev"
     DEFAULTS = {"safe_name": "Dragon", "risky_name": "Phoenix"}
+
+
+class BanditTestEnv(BanditEnv):
+    """RAGEN's held-out names (config/envs.yaml BanditTest): does what was learnt on Phoenix/Dragon transfer?"""
+    name = "bandit-test"
+    DEFAULTS = {"safe_name": "Trader", "risky_name": "Librarian"}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -649,6 +660,7 @@ class FrozenLakeEnv(_TextEnv):
 ENVS = {
     "bandit": BanditEnv,
     "bandit-rev": BanditRevEnv,
+    "bandit-test": BanditTestEnv,
     "sokoban": SokobanEnv,
     "sokoban-newvocab": SokobanNewVocabEnv,
     "sokoban-large": LargeSokobanEnv,

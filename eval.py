@@ -36,7 +36,7 @@ import torch
 
 import cli
 from envs import ENVS, EVAL_SEEDS
-from rollout import RolloutConfig, Trajectory, dump, expert_agent, random_agent, rollout
+from rollout import RolloutConfig, Trajectory, default_reply_tokens, dump, expert_agent, random_agent, rollout
 
 SCRIPTED = ("random", "expert")
 ROLLOUT_KEYS = ("max_turns", "max_actions_per_turn", "max_actions", "format_penalty", "think", "context_turns",
@@ -55,7 +55,8 @@ class Config:
     max_actions: int | None = cli.flag(None, "actions per episode (default: training value, else 10)")
     think: bool | None = cli.flag(None, "<think> before <answer> (default: the policy's training mode, else on)")
     context_turns: int | None = cli.flag(None, "history window in turns, 0 = whole conversation (default: training)")
-    max_new_tokens: int | None = cli.flag(None, "token budget per reply (default: training value, else 100)")
+    max_new_tokens: int | None = cli.flag(None, "token budget per reply (default: the training value, else tiny 100, "
+                                                "hub models 400, 500 on bandit)")
     batch: int = cli.flag(256, "episodes decoded together in one batch")
     seed: int = cli.flag(0, "sampling seed")
     device: str = cli.flag("auto", "auto, cpu, cuda or cuda:N")
@@ -89,6 +90,7 @@ def summarize(trajs: list[Trajectory], scripted: bool = False) -> dict:
         "valid_action": sum(t.valid_actions for t in trajs) / max(1, acts),
         "effective_action": sum(t.effective_actions for t in trajs) / max(1, acts),
         "format": sum(x.parsed for x in turns) / max(1, len(turns)),
+        "turns": len(turns) / n,
         "response_length": None if scripted else sum(x.response_tokens for x in turns) / max(1, len(turns)),
         "episodes": n,
     }
@@ -115,13 +117,16 @@ def evaluate(env: str, rcfg: RolloutConfig, model=None, tokenizer=None, agent=No
     return summarize(trajs, scripted=agent is not None), trajs
 
 
-def rollout_config_for(policy_path: str | None, cfg: Config) -> RolloutConfig:
-    """Training's rollout settings saved beside the policy, then the flags typed here on top."""
+def rollout_config_for(policy_path: str | None, cfg: Config, env: str) -> RolloutConfig:
+    """Training's rollout settings saved beside the policy, then the flags typed here on top; a reply budget
+    neither gives is the model's default (rollout.default_reply_tokens)."""
+    from policy import model_kind
     saved = {}
     if policy_path is not None and (Path(policy_path) / "train_config.json").exists():
         saved = json.loads((Path(policy_path) / "train_config.json").read_text())
     values = {k: saved[k] for k in ROLLOUT_KEYS if k in saved}
     values.update({k: getattr(cfg, k) for k in ROLLOUT_KEYS if getattr(cfg, k, None) is not None})
+    values.setdefault("max_new_tokens", default_reply_tokens(model_kind(policy_path or "tiny"), env))
     return RolloutConfig(temperature=cfg.temperature, **values)
 
 
@@ -156,13 +161,13 @@ def main(argv=None):
         set_cpu_threads(device, cfg.threads)
         if cfg.policy not in SCRIPTED:
             model, tok, path = load_policy(cfg.policy, device)
-        rcfg = rollout_config_for(path, cfg)
+        rcfgs = {env: rollout_config_for(path, cfg, env) for env in envs}
     except ValueError as e:
         cli.fail(str(e))
     overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
     rows, all_trajs = {}, {}
     for env in envs:
-        agent = None
+        rcfg, agent = rcfgs[env], None
         if cfg.policy == "random":
             agent = random_agent(random.Random(cfg.seed))
         elif cfg.policy == "expert":
@@ -181,11 +186,11 @@ def main(argv=None):
         for t in trajs[:cfg.dump]:
             print(dump(t, tok), file=sys.stderr)
     print(f"policy: {cfg.policy}, {cfg.prompts} prompts, temperature {cfg.temperature}, "
-          f"rollout: {asdict(rcfg)}")
+          f"rollout: {asdict(rcfgs[envs[0]])}")
     print(table(rows))
     if cfg.json:
-        Path(cfg.json).write_text(json.dumps({"policy": cfg.policy, "rollout": asdict(rcfg), "results": rows},
-                                             indent=2))
+        Path(cfg.json).write_text(json.dumps({"policy": cfg.policy, "results": rows,
+                                              "rollout": {env: asdict(r) for env, r in rcfgs.items()}}, indent=2))
     return rows
 
 

@@ -251,9 +251,12 @@ def ensure_tiny(cache_dir: str | None = None, progress: bool = True, warmup: dic
         [f"Reward: -0.1\n{PENALTY_NOTE}"]
     tok = build_tokenizer(tok_texts)
     # the key: everything the build depends on (the corpus texts, hence the envs and the rollout's rendering;
-    # the vocabulary, hence the tokenizer code; config, warm-up settings; TINY_VERSION for the warm-up code)
+    # the vocabulary, hence the tokenizer code; config, warm-up settings; TINY_VERSION for the warm-up code; the
+    # transformers major version, whose 4.x cannot read the tokenizer folder 5.x writes)
+    import transformers
     key = hashlib.sha256(json.dumps([TINY_VERSION, model_cfg, warmup, envs, sorted(set(tok_texts)),
-                                     sorted(tok.get_vocab().items())], sort_keys=True).encode()).hexdigest()[:12]
+                                     sorted(tok.get_vocab().items()), transformers.__version__.split(".")[0]],
+                                    sort_keys=True).encode()).hexdigest()[:12]
     root = Path(cache_dir or os.environ.get("RAGEN_MINI_CACHE", Path.home() / ".cache" / "ragen-mini"))
     path = root / f"tiny-{key}"
     if (path / "config.json").exists():

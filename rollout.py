@@ -22,13 +22,18 @@ window changes what the model sees, not what it is credited with.
 
 Deviations from the paper / RAGEN (deliberate):
 1. The assistant turn is pre-filled with the opening tag ("<think>", or "<answer>" with --no-think), as RAGEN's
-   later versions do; the tag is a template token (mask 0). This removes format slips of small models.
+   ctx_manager does (also at the paper-era commit); here the tag is a template token (mask 0).
 2. Generation stops once the text of a row's last tokens contains "</answer>" (a BPE token may carry text past
    it), or at the tokenizer's EOS or the model's generation_config end tokens, or at max_new_tokens; the
    template's end-of-turn marker is appended as a template token (mask 0) unless the policy itself sampled
-   EOS (then that sampled token closes the turn, and the reply's text leaves it to the template).
-3. A reply that parses but names an invalid action gets the format penalty once per turn and its valid actions
-   still run (the issue's rule); RAGEN stops at the first invalid action.
+   EOS (then that sampled token closes the turn, and the reply's text leaves it to the template). The sampled
+   tokens are trained as sampled; RAGEN re-renders a parsed reply ("<think>..</think><answer>a || b</answer>",
+   extra actions cut) and re-tokenises it.
+3. Actions follow RAGEN's es_manager: a reply's first max_actions_per_turn words are read, unknown words change
+   nothing and do not use the episode's budget, the valid ones run until the budget is spent or the episode
+   ends, and a turn with an invalid word or without a valid action pays the format penalty once. RAGEN checks
+   every word it read; here the words after the last one run are not checked (an invalid word after the
+   budget ran out costs no penalty), because in WebShop a word's validity depends on the page it meets.
 4. Decoding is our own loop over `model.base_model` + the LM head (not `generate()`; RAGEN samples with vLLM),
    so it works the same on transformers 4.x and 5.x and computes logits for the last position only (a
    [B, T, V] prefill tensor would be ~46 GB for Qwen at 128 x 600 tokens). Each episode's KV cache lives across
@@ -56,9 +61,15 @@ from policy import autocast_dtype
 from starpo import cache_keyword, shared_prefix_len
 
 SYSTEM_PROMPT = "You're a helpful assistant."
-ANSWER_RE = re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL)
-ANSWER_ONLY_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 STOP_TEXT = "</answer>"
+
+
+def default_reply_tokens(model_kind: str, env: str) -> int:
+    """Tokens per reply: RAGEN's vLLM response_length for hub models (400; its bandit runs 500), 100 for the tiny
+    policy (its replies are ~14 tokens; RAGEN's env `max_tokens: 100` only fills a line of its prompt)."""
+    if model_kind == "tiny":
+        return 100
+    return 500 if env.startswith("bandit") else 400
 
 
 @dataclass
@@ -94,6 +105,19 @@ class Turn:
 class Segment:               # one training sequence
     input_ids: list[int]
     loss_mask: list[int]     # 1 exactly where the policy sampled the token
+    system_len: int = 0      # tokens of the system message it starts with (-1: the template renders none)
+
+
+def trained_mask(seg: Segment, response_mask: bool = True) -> list[int]:
+    """The tokens a segment trains: those the policy sampled (`response_mask`, the default), or every token after
+    the system message, as the paper's runs did (RAGEN's `enable_response_mask: False`: env states, feedback and
+    template tokens too; RAGEN's mask starts one token later, after the user turn's <|im_start|>)."""
+    if response_mask:
+        return seg.loss_mask
+    if seg.system_len < 0:
+        raise ValueError("--no-response-mask: this chat template does not start a conversation with the system "
+                         "message as rendered alone, so where it ends is unknown")
+    return [0] * seg.system_len + [1] * (len(seg.input_ids) - seg.system_len)
 
 
 @dataclass
@@ -160,13 +184,28 @@ def prefill(cfg: RolloutConfig) -> str:
     return "<think>" if cfg.think else "<answer>"
 
 
+JUNCTION_RE = re.compile(r"</think>\s*<answer>")
+
+
 def parse_reply(text: str, think: bool, max_actions: int) -> tuple[list[str], bool]:
-    """-> (actions, parsed). The answer is split on '||', empty pieces dropped, first `max_actions` kept."""
-    m = (ANSWER_RE if think else ANSWER_ONLY_RE).search(text)
-    if m is None:
+    """-> (actions, parsed): the first "<think>..</think> <answer>..</answer>" (no-think: "<answer>..</answer>")
+    of the reply, its answer split on '||', empty pieces dropped, the first `max_actions` kept.
+
+    The match a lazy regex search would find ("<think>(.*?)</think>", whitespace, "<answer>(.*?)</answer>"), in
+    time linear in the reply's length (that regex is quadratic on a reply of many unclosed tags): the leftmost
+    "<think>" takes the first "</think> <answer>" after it, and the answer runs to the first "</answer>" after
+    that; where those are missing, no later start has them either."""
+    if think:
+        start = text.find("<think>")
+        junction = JUNCTION_RE.search(text, start + len("<think>")) if start >= 0 else None
+        begin = junction.end() if junction is not None else -1
+    else:
+        begin = text.find("<answer>")
+        begin = begin + len("<answer>") if begin >= 0 else -1
+    end = text.find("</answer>", begin) if begin >= 0 else -1
+    if end < 0:
         return [], False
-    answer = m.group(m.lastindex)
-    actions = [a.strip() for a in answer.split("||") if a.strip()]
+    actions = [a.strip() for a in text[begin:end].split("||") if a.strip()]
     return actions[:max_actions], True
 
 
@@ -486,6 +525,8 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
     amp = autocast_dtype(device) if model is not None else None
     past: list[EpisodeCache | None] = [None] * len(envs)
     close = turn_close(tokenizer) if tokenizer is not None else None
+    system = tokenizer(tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT}], tokenize=False),
+                       add_special_tokens=False)["input_ids"] if tokenizer is not None else []
     for k in range(1, cfg.max_turns + 1):
         if not live:
             break
@@ -508,7 +549,7 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
                 running[i].loss_mask += [0] * len(add)
             else:
                 ids = render_ids(tokenizer, msgs, cfg)
-                running[i] = Segment(list(ids), [0] * len(ids))
+                running[i] = Segment(list(ids), [0] * len(ids), len(system) if ids[:len(system)] == system else -1)
             prompts.append(running[i].input_ids)
         # --- replies for all live episodes at once
         if agent is not None:
@@ -532,7 +573,7 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
             reply = prefill(cfg) + texts[j]
             n_tok = len(sampled[j]) if sampled is not None else len(texts[j].split())
             turn = act_turn(envs[i], reply, left[i], cfg, obs[i], n_tok)
-            left[i] -= len(turn.actions)
+            left[i] -= turn.valid  # unknown words cost no budget (deviation 3)
             obs[i] = envs[i].render()
             replies[i].append(reply)
             trajs[i].turns.append(turn)
@@ -564,11 +605,13 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
 
 
 def act_turn(env, reply: str, actions_left: int, cfg: RolloutConfig, obs: str, n_tok: int) -> Turn:
-    """Parse one reply and execute its actions; the format penalty is charged once per bad turn."""
-    actions, parsed = parse_reply(reply, cfg.think, min(cfg.max_actions_per_turn, actions_left))
+    """Parse one reply and run its actions (deviation 3): its first max_actions_per_turn words are read, unknown
+    ones change nothing and cost no budget, valid ones run until the episode's budget or its end. A turn with an
+    invalid word among those run, or without a valid one, pays the format penalty once."""
+    actions, parsed = parse_reply(reply, cfg.think, cfg.max_actions_per_turn)
     env_r, valid, effective, ran, success = 0.0, 0, 0, [], False
     for a in actions:
-        if env.done:
+        if env.done or valid == actions_left:
             break
         _, r, _, info = env.step(a)
         ran.append(a)

@@ -71,7 +71,7 @@ import torch.nn.functional as F
 import cli
 from envs import ENVS, train_seeds
 from eval import evaluate
-from rollout import dump, expert_agent, rollout
+from rollout import default_reply_tokens, dump, expert_agent, rollout
 from starpo import make_optimizer, shared_prefix_len, token_logprobs
 from train import rollout_config, save_final
 
@@ -96,7 +96,8 @@ class Config:
     max_turns: int = cli.flag(5, "turns per episode")
     max_actions_per_turn: int = cli.flag(5, "actions per turn")
     max_actions: int = cli.flag(10, "actions per episode")
-    max_new_tokens: int = cli.flag(100, "token budget per reply (eval)")
+    max_new_tokens: int | None = cli.flag(None, "token budget per reply at eval (default: tiny 100; hub models "
+                                                "RAGEN's 400, 500 on bandit)")
     format_penalty: float = cli.flag(-0.1, "reward of a turn without a valid answer (eval)")
     think: bool = cli.flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
     context_turns: int | None = cli.flag(None, "history window: 0 = whole conversation, K = last K turns "
@@ -128,7 +129,9 @@ class Config:
 def derive(cfg: Config, explicit: set[str]) -> Config:
     """Per-model defaults, sizes that follow from the flags, and one-line errors for bad values."""
     from policy import model_kind
-    cli.fill_defaults(cfg, MODEL_DEFAULTS[model_kind(cfg.model)])  # tiny-sized folders get the tiny ones too
+    kind = model_kind(cfg.model)
+    cli.fill_defaults(cfg, MODEL_DEFAULTS[kind])  # tiny-sized folders get the tiny ones too
+    cli.fill_defaults(cfg, dict(max_new_tokens=default_reply_tokens(kind, cfg.env)))
     if cfg.expert_actions is None:  # the fewest moves per turn that let the expert use the whole budget
         cfg.expert_actions = min(cfg.max_actions_per_turn, -(-cfg.max_actions // max(1, cfg.max_turns)))
     cli.check([

@@ -5,8 +5,7 @@ Paper: RAGEN section 2.2 (StarPO: PPO or GRPO on whole multi-turn trajectories, 
 section 4.2 (StarPO-S: KL removal, Clip-Higher eps_low = 0.2 / eps_high = 0.28), Appendix A (PPO critic),
 Appendix C.2 (entropy bonus 0.001, KL 0.001 for StarPO and only tracked post-hoc for StarPO-S, gamma = lambda = 1,
 "update batch 32, mini-batch 4", read as RAGEN's config does: 32 trajectories per optimizer step
-(ppo_mini_batch_size), gradients accumulated over micro-batches of 4, which changes nothing in the math),
-Appendix D (clip and KL ablations).
+(ppo_mini_batch_size), gradients accumulated over micro-batches of 4), Appendix D (clip and KL ablations).
 
 Per sampled token t of a trajectory (mask[:, t] == 1):
     ratio_t = exp(logp_t - old_logp_t)                                   (log-ratio clamped to +-20)
@@ -23,8 +22,12 @@ Deliberate deviations from the paper / RAGEN (verl core_algos):
 1. Clip-fraction names: `pg_clipfrac_upper` counts tokens clipped at 1 + eps_high (A > 0) and
    `pg_clipfrac_lower` those clipped at 1 - eps_low (A < 0); verl's `pg_clipfrac_lower` is the dual-clip
    fraction, reported here as `pg_clipfrac_dual` (only when dual clip is on).
-2. `seq-mean-*` aggregations divide by the number of rows with at least one sampled token (verl divides by all
-   rows, and its token-mean per row is 0/0 for an empty row); a mini-batch with no sampled token gives loss 0.
+2. The loss is aggregated over the whole mini-batch (`--loss-agg`: a token mean by default, or per sequence
+   first: `seq-mean-token-mean` is the paper's 1/|tau_i| form, RAGEN HEAD's), so micro-batching changes
+   nothing. RAGEN's paper-era actor (verl) took a token mean within each micro-batch of 4 and averaged the
+   micro-batches, which weighs a token by its micro-batch's size. `seq-mean-*` divide by the number of rows
+   with at least one sampled token (verl divides by all rows, and its token-mean per row is 0/0 for an empty
+   row); a mini-batch with no sampled token gives loss 0.
 3. Values outside the mask never reach a loss or a gradient: advantages and old log-probs there are replaced
    (verl multiplies by the mask, so a NaN on a padding token becomes a NaN gradient).
 4. The fused path always computes logits in fp32, also under bf16 autocast (HF and verl compute the LM head in

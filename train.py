@@ -6,14 +6,18 @@
     python train.py --plot runs/a runs/b                               # Echo Trap signals of several runs, one PNG
     torchrun --standalone --nproc_per_node 8 train.py --env sokoban --algo ppo --model Qwen/Qwen2.5-0.5B-Instruct
 
-One loop, top to bottom: sample P prompts (fresh training seeds, never eval seeds) x N rollouts -> keep the
-prompt groups with the largest in-group reward std (StarPO-S, section 4.2) -> old log-probs, reference
-log-probs (KL is always measured), values and advantages (GRPO: group-normalised; PPO: GAE with the critic)
--> `online_k` updates on the batch -> one JSONL line + one printed line -> periodic eval and checkpoint.
+One loop, top to bottom: sample P prompts (fresh training seeds, never eval seeds; x online_k) x N rollouts ->
+keep the prompt groups with the largest in-group reward std (StarPO-S, section 4.2) -> the batch: values and
+advantages (GRPO: group-normalised; PPO: GAE with the critic), old and reference log-probs where a pass needs
+them -> `ppo_epochs` passes of mini-batch updates -> one JSONL line + one printed line -> eval and checkpoint.
 
 The Echo Trap monitor (section 4.1) watches the paper's four signals: it warns when the in-group reward std
 stays below 0.1x its early level for 10 iterations, when the grad norm jumps above 5x its running median, and
 when entropy swings by more than half its running median; `--stop-on-collapse` ends the run there, cleanly.
+
+The paper's runs, one flag each (docs/faithfulness.md): `--preset starpo` (no filter, k1 KL 0.001 in PPO's
+token rewards or GRPO's loss, clip 0.2/0.2) and `--preset starpo-s`, `--no-response-mask`, `--group-noise
+shared` (the default), `--online-k`, `--loss-agg`, 400-token replies for hub models (500 on bandit).
 
 Deviations from the paper / RAGEN (deliberate):
 1. All randomness of iteration i (training seeds, sampling, mini-batch order) is derived from (seed, i), so
@@ -22,19 +26,23 @@ Deviations from the paper / RAGEN (deliberate):
    finishes within 20 minutes on a 2-core CPU; they also apply to folders holding a model of the tiny one's
    size (policy.model_kind). The paper's values are the defaults of every other model and are printed in
    the README's GPU command.
-3. With the filter on, the old log-probs, values and reference log-probs are computed only for the kept
-   groups (the dropped ones never enter the update, so computing them would be wasted work).
-4. A batch whose groups all have zero reward std is logged (`train/skipped_zero_std` = 1) and its update is
-   skipped: GRPO advantages would all be 0 and the step would be a silent no-op (guide rule 7).
-5. The reference policy for KL is the initial policy, kept in memory (as verl's ref model).
-6. Data parallel under torchrun (distributed.py; RAGEN uses verl + Ray): each rank rolls out P / W whole prompt
+3. Only the passes whose results are needed run: old log-probs, values and reference log-probs only for the
+   kept groups; no old-log-prob pass when the kept rows are one optimizer step (its first ratio is exactly 1,
+   starpo.update); with no KL term (StarPO-S) the reference runs only on the iterations that evaluate, so
+   `train/kl_to_init` is logged there (verl computes the reference every step).
+4. The default trains only the sampled tokens (`--response-mask`, RAGEN's later default); the paper's runs
+   trained every token after the system prompt (`--no-response-mask`).
+5. A batch whose groups all have zero reward std is logged (`train/skipped_zero_std` = 1) and, for GRPO, its
+   update is skipped: its advantages would all be 0, a silent no-op. PPO's advantages are R - V: it updates.
+6. The reference policy for KL is the initial policy, kept in memory (as verl's ref model).
+7. Data parallel under torchrun (distributed.py; RAGEN uses verl + Ray): each rank rolls out P / W whole prompt
    groups; all P x N trajectories (small Python objects) are gathered on every rank, so the filter, GRPO
    advantages and logged metrics are the single-process code on the same data; each rank computes old/ref
    log-probs and values for its share of the rows and those are gathered too (GAE and whitening then see the
    global batch); `update(shard=...)` trains each rank's rows of every mini-batch under DDP. Rank r samples
    with the seed of iteration i plus r * 2**40 (rank 0 = the single-process stream), so a W-rank run is
    reproducible (resume included) but samples differently from a run with another W.
-7. Only rank 0 logs, evaluates, plots and writes checkpoints; the others wait for it once per iteration.
+8. Only rank 0 logs, evaluates, plots and writes checkpoints; the others wait for it once per iteration.
    `--resume` on several nodes needs the run folder on a shared filesystem (every rank reads the checkpoint).
 """
 from __future__ import annotations
@@ -54,16 +62,18 @@ import torch
 
 import cli
 import distributed as dist
-from advantages import broadcast_to_tokens, gae, grpo_advantages, place_reward_on_last_token, whiten
+from advantages import (broadcast_to_tokens, gae, grpo_advantages, kl_penalized_rewards,
+                        place_reward_on_last_token, whiten)
 from envs import ENVS, train_seeds
-from eval import evaluate
+from eval import evaluate, summarize
 from filter import select_groups
-from rollout import RolloutConfig, dump, rollout
-from starpo import (Batch, TokenLogprobs, UpdateConfig, make_optimizer, shared_prefix_len, token_logprobs,
-                    update)
+from rollout import RolloutConfig, Segment, default_reply_tokens, dump, rollout, trained_mask
+from starpo import (Batch, TokenLogprobs, UpdateConfig, make_optimizer, masked_mean, shared_prefix_len,
+                    token_logprobs, update)
 
-PRESETS = {  # the paper's two recipes (section 4.2, Appendix C.2/D); flags typed explicitly win
-    "starpo": dict(filter=1.0, kl_coef=0.001, clip_low=0.2, clip_high=0.2),
+PRESETS = {  # the paper's two recipes (section 4.2, Appendix C.2/D); flags typed explicitly win. StarPO's KL is
+    # RAGEN's: k1 (`kl`), in the token rewards for PPO (apply_kl_penalty), a loss term for GRPO (see derive)
+    "starpo": dict(filter=1.0, kl_coef=0.001, kl_kind="k1", clip_low=0.2, clip_high=0.2),
     "starpo-s": dict(filter=0.25, kl_coef=0.0, clip_low=0.2, clip_high=0.28),
 }
 # Per-model defaults for fields left at None. Qwen: the paper's (Appendix C.2). tiny: what trains on a CPU.
@@ -82,8 +92,13 @@ class Config:
                                   choices=sorted(PRESETS))
     filter: float = cli.flag(0.25, "fraction of prompt groups kept by in-group reward std (1.0 = off)")
     filter_smallest: bool = cli.flag(False, "keep the LOWEST-variance groups instead (the paper's ablation)")
-    kl_coef: float = cli.flag(0.0, "KL-to-initial-policy loss coefficient (0 = KL removal; KL is still measured)")
-    kl_kind: str = cli.flag("k3", "KL estimator: k1 or k3 (low-variance)", choices=["k1", "k3"])
+    kl_coef: float = cli.flag(0.0, "KL-to-initial-policy coefficient (paper StarPO: 0.001; 0 = KL removal, "
+                                   "StarPO-S: KL is still measured)")
+    kl_kind: str = cli.flag("k3", "KL estimator: k1 (RAGEN's `kl`, the paper's runs) or k3 (low-variance)",
+                            choices=["k1", "k3"])
+    kl_in_reward: bool | None = cli.flag(None, "PPO: subtract kl_coef x KL from the token rewards (RAGEN's "
+                                               "apply_kl_penalty) instead of a loss term (default: on with --preset "
+                                               "starpo --algo ppo, as the paper ran)")
     clip_low: float = cli.flag(0.2, "PPO clip eps_low")
     clip_high: float = cli.flag(0.28, "PPO clip eps_high (Clip-Higher; StarPO: 0.2)")
     entropy_coef: float = cli.flag(0.001, "entropy bonus coefficient")
@@ -92,14 +107,24 @@ class Config:
     max_turns: int = cli.flag(5, "turns per episode")
     max_actions_per_turn: int = cli.flag(5, "actions per turn")
     max_actions: int = cli.flag(10, "actions per episode")
-    max_new_tokens: int = cli.flag(100, "token budget per reply")
+    max_new_tokens: int | None = cli.flag(None, "token budget per reply (default: tiny 100; hub models RAGEN's "
+                                                "400, 500 on bandit)")
     format_penalty: float = cli.flag(-0.1, "reward of a turn without a valid answer")
     gamma: float = cli.flag(1.0, "GAE discount (PPO)")
     lam: float = cli.flag(1.0, "GAE lambda (PPO)")
     grpo_std_norm: bool = cli.flag(True, "GRPO divides by the group std (off: Dr.GRPO's mean-only)")
     mini_batch: int = cli.flag(32, "training sequences per optimizer step")
     micro_batch: int = cli.flag(4, "training sequences per forward/backward (gradient accumulation)")
-    online_k: int = cli.flag(1, "updates per rollout batch (paper Figure 7: Online-k)")
+    ppo_epochs: int = cli.flag(1, "passes over each rollout batch (the paper's runs: 1)")
+    online_k: int = cli.flag(1, "RAGEN's Online-k (paper Figure 7): roll out k x P prompts at once and use each "
+                                "trajectory once, over k times the optimizer steps (paper: 1)")
+    group_noise: str = cli.flag("shared", "the N rollouts of a prompt meet the same payoffs/slips (shared: RAGEN's "
+                                          "seeding) or draw their own (independent)", choices=["shared", "independent"])
+    response_mask: bool = cli.flag(True, "train only the tokens the policy sampled (--no-response-mask: every "
+                                         "token after the system prompt, as the paper's runs did)")
+    loss_agg: str = cli.flag("token-mean", "how token losses become one: token mean over the mini-batch, or per "
+                                           "sequence first (seq-mean-token-mean = the paper's 1/|tau| form)",
+                             choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
     temperature: float = cli.flag(1.0, "rollout sampling temperature")
     think: bool = cli.flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
     context_turns: int = cli.flag(0, "history window: 0 = whole conversation (paper), K = last K turns")
@@ -123,13 +148,17 @@ class Config:
     plot: list[str] | None = cli.flag(None, "draw the Echo Trap signals of these run folders into one PNG and exit")
     plot_out: str = cli.flag("echo_trap.png", "where --plot writes its PNG")
     # derived right after parsing
+    groups: int = field(default=0, metadata={"derived": True})       # prompt groups rolled out: P x online_k
     groups_kept: int = field(default=0, metadata={"derived": True})
 
 
 def derive(cfg: Config, explicit: set[str]) -> Config:
     """Per-model defaults, sizes that follow from the flags, and one-line errors for bad values."""
     from policy import model_kind
-    cli.fill_defaults(cfg, MODEL_DEFAULTS[model_kind(cfg.model)])  # tiny-sized folders get the tiny ones too
+    kind = model_kind(cfg.model)
+    cli.fill_defaults(cfg, MODEL_DEFAULTS[kind])  # tiny-sized folders get the tiny ones too
+    cli.fill_defaults(cfg, dict(max_new_tokens=default_reply_tokens(kind, cfg.env),
+                                kl_in_reward=cfg.preset == "starpo" and cfg.algo == "ppo"))
     cli.check([
         (0 < cfg.filter <= 1, f"--filter {cfg.filter}: must be in (0, 1]"),
         (cfg.prompts >= 1, f"--prompts {cfg.prompts}: must be >= 1"),
@@ -144,7 +173,10 @@ def derive(cfg: Config, explicit: set[str]) -> Config:
                                                         "need 0 <= clip-low < 1 and clip-high >= 0"),
         (0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1, f"--gamma {cfg.gamma} / --lam {cfg.lam}: must be in [0, 1]"),
         (cfg.mini_batch >= 1 and cfg.micro_batch >= 1, "--mini-batch and --micro-batch must be >= 1"),
-        (cfg.online_k >= 1, f"--online-k {cfg.online_k}: must be >= 1"),
+        (cfg.online_k >= 1 and cfg.ppo_epochs >= 1, f"--online-k {cfg.online_k} / --ppo-epochs {cfg.ppo_epochs}: "
+                                                     "must be >= 1"),
+        (not (cfg.kl_in_reward and cfg.algo == "grpo"), "--kl-in-reward: PPO only (GRPO has no token rewards; "
+                                                        "its KL is a loss term, RAGEN's kl_loss_type)"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature}: must be > 0"),
         (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0"),
         (cfg.context_turns >= 0, f"--context-turns {cfg.context_turns}: must be >= 0"),
@@ -154,7 +186,8 @@ def derive(cfg: Config, explicit: set[str]) -> Config:
         (cfg.seed >= 0, f"--seed {cfg.seed}: must be >= 0"),
         (cfg.threads >= 1, f"--threads {cfg.threads}: must be >= 1"),
     ])
-    cfg.groups_kept = max(1, int(cfg.filter * cfg.prompts))
+    cfg.groups = cfg.prompts * cfg.online_k
+    cfg.groups_kept = max(1, int(cfg.filter * cfg.groups))
     cfg.out = cfg.out or f"runs/{cfg.env}-{cfg.algo}-s{cfg.seed}"
     return cfg
 
@@ -166,6 +199,12 @@ def rollout_config(cfg: Config, temperature: float) -> RolloutConfig:
                          temperature=temperature)
 
 
+def group_samples(group_noise: str, groups: int, rollouts: int) -> list[int]:
+    """The `sample` of each rollout, group after group (envs.py deviation 2): `shared` gives all N rollouts of a
+    prompt the same payoffs and slips, as RAGEN seeds them; `independent` numbers them 0..N-1."""
+    return [k if group_noise == "independent" else 0 for _ in range(groups) for k in range(rollouts)]
+
+
 def evaluates(cfg: Config, it: int) -> bool:
     """Whether iteration `it` (0-based) ends with an eval: every eval_every iterations and the last one."""
     return bool(cfg.eval_every and (it + 1) % cfg.eval_every == 0) or it + 1 == cfg.steps
@@ -173,14 +212,15 @@ def evaluates(cfg: Config, it: int) -> bool:
 
 # ------------------------------------------------------------------------------------------- the batch
 
-def collate(trajs, advantages_per_traj, pad_id: int):
+def collate(trajs, advantages_per_traj, pad_id: int, response_mask: bool = True):
     """Training rows from kept trajectories: one row per segment; -> input_ids, attention_mask, loss_mask
-    [B, T], each row's trajectory reward [B] and trajectory advantage [B] (GRPO; zeros for PPO)."""
+    [B, T] (rollout.trained_mask), each row's trajectory reward [B] and trajectory advantage [B] (GRPO; zeros
+    for PPO)."""
     from policy import pad_segments
     segs, scores, advs = [], [], []
     for t, a in zip(trajs, advantages_per_traj):
         for s in t.segments:
-            segs.append(s)
+            segs.append(Segment(s.input_ids, trained_mask(s, response_mask)))
             scores.append(t.reward)
             advs.append(a)
     ids, attn, mask = pad_segments(segs, pad_id)
@@ -192,6 +232,48 @@ def per_token(fn, ids, attn, micro: int):
     """Apply fn(ids, attn) -> [b, T] over micro-batches (no grad); -> [B, T] (B may be 0 on a data-parallel rank)."""
     parts = [fn(ids[i:i + micro], attn[i:i + micro]) for i in range(0, len(ids), micro)]
     return torch.cat(parts) if parts else torch.zeros(ids.shape, device=ids.device)
+
+
+@torch.no_grad()
+def prepare_batch(kept, cfg: Config, policy, ref, critic, pad_id: int, device, amp, on_eval: bool):
+    """The update's inputs from the kept trajectories (section 2.2, Appendix A): rows, old and reference
+    log-probs, values, advantages. -> (Batch, metrics). Under torchrun each rank runs its share of the rows and
+    every rank ends with the whole batch (GAE and whitening see all of it)."""
+    scores = torch.tensor([t.reward for t in kept])
+    if cfg.algo == "grpo":
+        adv_traj = grpo_advantages(scores, [t.group_id for t in kept], norm_by_std=cfg.grpo_std_norm)
+    else:
+        adv_traj = torch.zeros(len(kept))
+    ids, attn, mask, row_scores, row_adv = collate(kept, adv_traj.tolist(), pad_id, cfg.response_mask)
+    pre = shared_prefix_len([s.input_ids for t in kept for s in t.segments])  # the prompt header, run once
+    ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
+    r = dist.my_range(len(ids))
+
+    def run(fn):  # fn(ids, attn) -> [b, T] on this rank's rows, micro-batch by micro-batch -> [B, T] everywhere
+        return dist.gather_rows(per_token(fn, ids[r.start:r.stop], attn[r.start:r.stop], cfg.micro_batch), len(ids))
+
+    def logp(model):
+        return lambda i, a: token_logprobs(model, i, a, cfg.temperature, cfg.fused, prefix_len=pre)[0].float()
+    # No forward pass whose answer is known: one optimizer step on these fresh rollouts has ratio 1, so update()
+    # takes the old log-probs from its own forward. Without a KL term the reference only feeds the
+    # train/kl_to_init monitor, measured on the iterations that evaluate.
+    one_step = len(ids) <= cfg.mini_batch and cfg.ppo_epochs == 1 and not cfg.kl_in_reward
+    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+        old_logp = None if one_step else run(logp(policy))                                  # [B, T]
+        ref_logp = run(logp(ref)) if cfg.kl_coef > 0 or on_eval else None                   # [B, T]
+        values = run(lambda i, a: critic(i, a).float()) if critic is not None else None     # [B, T]
+    metrics = {}
+    if cfg.algo == "grpo":
+        adv, returns = broadcast_to_tokens(row_adv.to(device), mask), None
+    else:  # the trajectory reward on each row's last trained token; GAE over the trained tokens
+        token_rewards = place_reward_on_last_token(row_scores.to(device), mask)
+        if cfg.kl_in_reward:  # StarPO with PPO as the paper ran it (RAGEN's apply_kl_penalty)
+            token_rewards = kl_penalized_rewards(token_rewards, old_logp, ref_logp, mask, cfg.kl_coef)
+            metrics["train/kl_in_reward"] = masked_mean(old_logp - ref_logp, mask).item()
+        adv, returns = gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
+        adv = whiten(adv, mask)  # over the global batch: every rank holds all of it
+    return Batch(input_ids=ids, attention_mask=attn, loss_mask=mask, advantages=adv, old_logp=old_logp,
+                 ref_logp=ref_logp, returns=returns, old_values=values, prefix_len=pre), metrics
 
 
 # ------------------------------------------------------------------------------------------- Echo Trap
@@ -329,8 +411,9 @@ def main(argv=None):
     # ---- processes: one under plain python; under torchrun one per GPU/CPU share, all with the whole model
     try:
         device = dist.init(pick_device(cfg.device))
-        if cfg.prompts % dist.world_size():
-            raise ValueError(f"--prompts {cfg.prompts}: must be divisible by the number of processes "
+        if cfg.groups % dist.world_size():
+            k = f" x --online-k {cfg.online_k}" if cfg.online_k > 1 else ""
+            raise ValueError(f"--prompts {cfg.prompts}{k}: must be divisible by the number of processes "
                              f"({dist.world_size()}); a prompt group never splits across processes")
     except ValueError as e:
         cli.fail(str(e))
@@ -355,7 +438,8 @@ def main(argv=None):
     opt = make_optimizer(policy, cfg.lr)
     critic_opt = make_optimizer(critic, cfg.critic_lr) if critic is not None else None
     ucfg = UpdateConfig(mini_batch=cfg.mini_batch, micro_batch=cfg.micro_batch, clip_low=cfg.clip_low,
-                        clip_high=cfg.clip_high, entropy_coef=cfg.entropy_coef, kl_coef=cfg.kl_coef,
+                        clip_high=cfg.clip_high, entropy_coef=cfg.entropy_coef, agg=cfg.loss_agg,
+                        kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef,  # in the rewards instead: measured only
                         kl_kind=cfg.kl_kind, temperature=cfg.temperature, fused=cfg.fused)
     train_rcfg, eval_rcfg = rollout_config(cfg, cfg.temperature), rollout_config(cfg, cfg.eval_temperature)
     monitor, start = EchoMonitor(), 0
@@ -392,30 +476,25 @@ def main(argv=None):
     for it in bar:
         t0 = time.time()
         m: dict = {"step": it + 1}
-        # sampling stream of (seed, iteration, rank); rank 0's is the single-process one (deviation 6)
+        # sampling stream of (seed, iteration, rank); rank 0's is the single-process one (deviation 7)
         gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + it + (dist.rank() << 40))
 
-        # 1. rollouts: P prompts x N rollouts, every rollout of a prompt shares its initial state (a group).
-        #    Each rank rolls out its whole groups `mine` (all P in one process); then every rank holds all of them.
-        seeds = train_seeds(np.random.default_rng([cfg.seed, it]), cfg.prompts)
-        mine = dist.my_range(cfg.prompts)
+        # 1. rollouts: P prompts x N rollouts (x online_k), every rollout of a prompt shares its initial state (a
+        #    group) and, with --group-noise shared, its luck. Each rank rolls out its whole groups `mine` (all in
+        #    one process); then every rank holds all of them.
+        seeds = train_seeds(np.random.default_rng([cfg.seed, it]), cfg.groups)
+        mine = dist.my_range(cfg.groups)
         policy.eval()
         trajs = rollout(cfg.env, [seeds[g] for g in mine for _ in range(cfg.rollouts)],
-                        [g for g in mine for _ in range(cfg.rollouts)], train_rcfg, tokenizer=tok,
-                        model=policy, generator=gen, samples=[k for _ in mine for k in range(cfg.rollouts)],
-                        env_overrides=env_overrides)
+                        [g for g in mine for _ in range(cfg.rollouts)], train_rcfg, tokenizer=tok, model=policy,
+                        generator=gen, env_overrides=env_overrides,
+                        samples=group_samples(cfg.group_noise, len(mine), cfg.rollouts))
         trajs = dist.all_gather_objects(trajs)  # group order, every rank: the filter below ranks ALL groups
-        rewards = torch.tensor([t.reward for t in trajs]).view(cfg.prompts, cfg.rollouts)  # [G, N]
-        turns = [x for t in trajs for x in t.turns]
-        acts = sum(t.num_actions for t in trajs)
-        m.update({"rollout/reward_mean": rewards.mean().item(), "rollout/reward_std": rewards.std().item(),
-                  "rollout/success": sum(t.success for t in trajs) / len(trajs),
-                  "rollout/num_actions": acts / len(trajs),
-                  "rollout/valid_action": sum(t.valid_actions for t in trajs) / max(1, acts),
-                  "rollout/effective_action": sum(t.effective_actions for t in trajs) / max(1, acts),
-                  "rollout/format": sum(x.parsed for x in turns) / len(turns),
-                  "rollout/turns": len(turns) / len(trajs),
-                  "rollout/response_length": sum(x.response_tokens for x in turns) / len(turns),
+        rewards = torch.tensor([t.reward for t in trajs]).view(cfg.groups, cfg.rollouts)  # [G, N]
+        s = summarize(trajs)
+        m.update({f"rollout/{k}": s[k] for k in ("success", "num_actions", "valid_action", "effective_action",
+                                                 "format", "turns", "response_length")})
+        m.update({"rollout/reward_mean": s["reward"], "rollout/reward_std": rewards.std().item(),
                   "time/rollout": time.time() - t0})
 
         # 2. StarPO-S uncertainty filter: whole groups in or out by in-group reward std
@@ -428,52 +507,26 @@ def main(argv=None):
         skip = fstats["all_zero_std"] and cfg.algo == "grpo"
         m["train/skipped_zero_std"] = float(skip)
 
-        # 3. old log-probs, reference log-probs, values, advantages (no grad)
-        t1 = time.time()
         if not skip:
-            scores = torch.tensor([t.reward for t in kept])
-            if cfg.algo == "grpo":
-                adv_traj = grpo_advantages(scores, [t.group_id for t in kept], norm_by_std=cfg.grpo_std_norm)
-            else:
-                adv_traj = torch.zeros(len(kept))
-            ids, attn, mask, row_scores, row_adv = collate(kept, adv_traj.tolist(), tok.pad_token_id)
-            pre = shared_prefix_len([s.input_ids for t in kept for s in t.segments])  # the prompt header, run once
-            ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
-            r = dist.my_range(len(ids))  # this rank computes rows r; gathered, every rank holds the whole batch
-            share = lambda fn: dist.gather_rows(per_token(fn, ids[r.start:r.stop], attn[r.start:r.stop],
-                                                          cfg.micro_batch), len(ids))
-            # No forward pass whose answer is known: one optimizer step on these fresh rollouts has ratio 1, so
-            # update() takes the old log-probs from its own forward. Without a KL loss the reference only feeds
-            # the train/kl_to_init monitor, measured on the iterations that evaluate.
-            one_step = len(ids) <= cfg.mini_batch and cfg.online_k == 1
-            watch_kl = cfg.kl_coef > 0 or evaluates(cfg, it)
-            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                lp = lambda model: (lambda i, a: token_logprobs(model, i, a, cfg.temperature, cfg.fused,
-                                                                prefix_len=pre)[0].float())
-                old_logp = None if one_step else share(lp(policy))                   # [B, T]
-                ref_logp = share(lp(ref)) if watch_kl else None                       # [B, T]
-                values = share(lambda i, a: critic(i, a).float()) if critic is not None else None  # [B, T]
-            if cfg.algo == "grpo":
-                adv, returns = broadcast_to_tokens(row_adv.to(device), mask), None
-            else:  # the trajectory reward on each row's last sampled token; GAE over the sampled tokens
-                token_rewards = place_reward_on_last_token(row_scores.to(device), mask)
-                adv, returns = gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
-                adv = whiten(adv, mask)  # over the global batch: every rank holds all of it
-            batch = Batch(input_ids=ids, attention_mask=attn, loss_mask=mask, advantages=adv, old_logp=old_logp,
-                          ref_logp=ref_logp, returns=returns, old_values=values, prefix_len=pre)
+            # 3. the batch: old and reference log-probs, values, advantages (no grad)
+            t1 = time.time()
+            batch, pm = prepare_batch(kept, cfg, policy, ref, critic, tok.pad_token_id, device, amp,
+                                      on_eval=evaluates(cfg, it))
+            m.update(pm)
             m["time/prep"] = time.time() - t1
 
-            # 4. update: online_k passes over the batch (paper Figure 7). The shuffle is the same on every rank
+            # 4. update: ppo_epochs passes over the batch, in mini-batches. The shuffle is the same on every rank
             #    (the same mini-batches); each rank trains its rows of each one, DDP sums them (starpo.update)
             t2 = time.time()
             policy.train()
             if critic is not None:
                 critic.train()
-            for k in range(cfg.online_k):
-                shuffle = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it * 101 + k)
-                um = update(train_policy, opt, batch, ucfg, critic=train_critic, critic_optimizer=critic_opt,
-                            generator=shuffle, autocast_dtype=amp, shard=(dist.rank(), dist.world_size()))
-            m.update(um)
+            passes = [update(train_policy, opt, batch, ucfg, critic=train_critic, critic_optimizer=critic_opt,
+                             generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + it * 101 + k),
+                             autocast_dtype=amp, shard=(dist.rank(), dist.world_size()))
+                      for k in range(cfg.ppo_epochs)]
+            counts = ("train/optimizer_steps", "train/skipped_nonfinite")  # summed over passes, the rest averaged
+            m.update({k: (sum if k in counts else statistics.fmean)([p[k] for p in passes]) for k in passes[0]})
             m["train/rows"] = len(batch)
             m["time/update"] = time.time() - t2
         elif dist.is_main():

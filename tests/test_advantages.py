@@ -14,7 +14,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from advantages import broadcast_to_tokens, gae, grpo_advantages, place_reward_on_last_token, whiten  # noqa: E402
+from advantages import (broadcast_to_tokens, gae, grpo_advantages, kl_penalized_rewards,  # noqa: E402
+                        place_reward_on_last_token, whiten)
 
 torch.set_num_threads(1)
 
@@ -168,3 +169,19 @@ def test_broadcast_to_tokens():
             assert out[b, t].item() == (adv[b].item() if mask[b, t] == 1 else 0.0)
     with pytest.raises(ValueError):
         broadcast_to_tokens(adv[:2], mask)
+
+
+def test_kl_penalized_rewards_matches_loop():
+    """RAGEN's apply_kl_penalty: r_t - coef * (old_logp_t - ref_logp_t) on every trained token, 0 change elsewhere."""
+    gen = torch.Generator().manual_seed(3)
+    B, T = 5, 12
+    mask = multi_turn_mask(B, T, gen)
+    rewards = place_reward_on_last_token(torch.randn(B, generator=gen), mask)
+    old, ref = torch.randn(B, T, generator=gen), torch.randn(B, T, generator=gen)
+    out = kl_penalized_rewards(rewards, old, ref, mask, 0.01)
+    for b in range(B):
+        for t in range(T):
+            want = rewards[b, t].item() - (0.01 * (old[b, t].item() - ref[b, t].item()) if mask[b, t] else 0.0)
+            assert out[b, t].item() == pytest.approx(want, abs=1e-6)
+    adv, _ = gae(out, torch.zeros(B, T), mask)  # still a valid GAE input: nothing outside the mask
+    assert adv.shape == (B, T)

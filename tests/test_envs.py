@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import envs  # noqa: E402
 
-ALL = ["bandit", "bandit-rev", "sokoban", "sokoban-newvocab", "sokoban-large", "frozenlake"]
+ALL = ["bandit", "bandit-rev", "bandit-test", "sokoban", "sokoban-newvocab", "sokoban-large", "frozenlake"]
 SOKOBAN = {  # name -> (size, boxes, legend: wall, empty, target, box, box on target, player, player on target)
     "sokoban": (6, 1, "#_OX√PS"),
     "sokoban-newvocab": (6, 1, "W.GBCA@"),
@@ -186,6 +186,13 @@ def lake_shortest(board, start):
 
 
 # ----------------------------------------------------------------------------- API, registry, errors
+
+def test_bandit_test_is_ragens_held_out_pair_of_names():
+    env = envs.make_env("bandit-test")
+    assert (env.safe_name, env.risky_name) == ("Trader", "Librarian") and env.actions == ["Librarian", "Trader"]
+    env.reset(3)
+    assert env.expert_action() == "Librarian" and env.step("Trader")[1] == envs.BanditEnv.SAFE_PAYOFF
+
 
 def test_registry_seeds_and_make_env_errors():
     assert sorted(envs.ENVS) == sorted(ALL + ["webshop"])  # webshop is tested in test_webshop.py
@@ -522,8 +529,16 @@ def test_bandit_payoffs_order_and_success(name, safe, risky):
     assert env.step("nothing")[1:3] == (0.0, False) and env.step(risky.upper())[2] is True
 
 
-def test_rollouts_of_one_prompt_share_the_start_but_not_the_luck():
-    """reset(seed, sample): same initial state for every sample; independent payoffs and slips."""
+def test_rollouts_of_one_prompt_share_the_start_and_the_sample_decides_the_luck():
+    """reset(seed, sample): same initial state for every sample; the same sample gives the same payoffs and
+    slips (train.py --group-noise shared, RAGEN's seeding), other samples independent ones."""
+    for name in ("bandit", "frozenlake"):
+        runs = []
+        for _ in range(2):
+            env = envs.make_env(name)
+            env.reset(11, sample=0)
+            runs.append([env.step(env.actions[1])[:3] for _ in range(1 if name == "bandit" else 3) if not env.done])
+        assert runs[0] == runs[1]
     for name in ALL:
         a, b = envs.make_env(name), envs.make_env(name)
         assert a.reset(7, sample=0) == b.reset(7, sample=3)

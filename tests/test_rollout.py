@@ -111,6 +111,25 @@ def test_parse_reply(text, think, k, expected):
     assert R.parse_reply(text, think, k) == expected
 
 
+def test_parse_reply_is_the_regex_match():
+    """parse_reply finds what re.search of the answer pattern finds (it only avoids the regex's quadratic time on
+    replies of many unclosed tags), on random soups of tags, words and separators."""
+    import re
+    patterns = {True: re.compile(r"<think>(.*?)</think>\s*<answer>(.*?)</answer>", re.DOTALL),
+                False: re.compile(r"<answer>(.*?)</answer>", re.DOTALL)}
+    pieces = ["<think>", "</think>", "<answer>", "</answer>", " ", "\n", "Up", " || ", "x", "<", ">"]
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 14)))
+        for think, pattern in patterns.items():
+            m = pattern.search(text)
+            want = ([], False) if m is None else \
+                ([a.strip() for a in m.group(m.lastindex).split("||") if a.strip()][:3], True)
+            assert R.parse_reply(text, think, 3) == want, (text, think)
+    long = "<think>" * 150_000 + "</think> <answer> Up </answer>"      # ~1 MB: a regex search takes minutes
+    assert R.parse_reply(long, True, 5) == (["Up"], True)
+
+
 def act(env_name, reply, think=False, left=10, **cfg):
     env = make_env(env_name)
     obs = env.reset(1000)
@@ -260,6 +279,22 @@ def test_generation_stops_at_answer_eos_or_budget(small):
                 assert R.STOP_TEXT not in tok.decode(seg.input_ids[a:b - 1])
 
 
+def test_no_response_mask_trains_every_token_after_the_system_message(small):
+    """trained_mask: the sampled tokens by default; with response_mask=False (the paper's runs) every token after
+    the system message, the boards, the feedback and the template included."""
+    _, tok = small
+    system = tok.apply_chat_template([{"role": "system", "content": R.SYSTEM_PROMPT}], tokenize=False)
+    cfg = R.RolloutConfig(max_actions_per_turn=1)
+    trajs = R.rollout("sokoban", SEEDS[:4], [0, 1, 2, 3], cfg, tokenizer=tok, agent=R.random_agent(random.Random(0)))
+    for tr in [t for t in trajs if len(t.turns) > 1]:
+        s = tr.segments[0]
+        assert R.trained_mask(s) == s.loss_mask and tok.decode(s.input_ids[:s.system_len]) == system
+        full = R.trained_mask(s, response_mask=False)
+        assert full == [0] * s.system_len + [1] * (len(s.input_ids) - s.system_len)
+        extra = tok.decode([i for i, a, b in zip(s.input_ids, full, s.loss_mask) if a and not b])
+        assert "State:" in extra and "Reward:" in extra and "<|im_start|>assistant" in extra
+
+
 # ----------------------------------------------------------------------------- budgets
 
 def test_budgets_are_never_exceeded(small):
@@ -271,14 +306,19 @@ def test_budgets_are_never_exceeded(small):
     for tr in trajs:                                                     # ... and never got it
         assert len(tr.turns) <= cfg.max_turns
         assert all(len(t.actions) <= cfg.max_actions_per_turn for t in tr.turns)
-        assert tr.num_actions <= cfg.max_actions
-        done_at = [k for k in range(len(tr.turns)) if sum(len(t.actions) for t in tr.turns[:k + 1]) >= 3]
+        assert tr.valid_actions <= cfg.max_actions
+        done_at = [k for k in range(len(tr.turns)) if sum(t.valid for t in tr.turns[:k + 1]) >= 3]
         if done_at:                                                      # the budget ends the episode
             assert len(tr.turns) == done_at[0] + 1
     # a scripted agent that always asks for 7 actions: 2 + 1 actions in 2 turns, then the episode ends
     greedy = lambda env, left, c: (["Up"] * 7, "more")  # noqa: E731
     tr, = R.rollout("sokoban", [1000], [0], cfg, agent=greedy)
     assert [len(t.actions) for t in tr.turns] == [2, 1]
+    # unknown words change nothing and, as in RAGEN, use none of the budget (each turn still pays the penalty)
+    clumsy = lambda env, left, c: (["Jump", "Up"], "oops")  # noqa: E731
+    tr, = R.rollout("sokoban", [1000], [0], cfg, agent=clumsy)
+    assert [(t.actions, t.valid) for t in tr.turns] == [(["Jump", "Up"], 1)] * 3
+    assert all(not t.format_ok for t in tr.turns)
     # max_turns ends it too: unparsable replies execute nothing but count as turns
     mute = lambda env, left, c: ([], "nothing")  # noqa: E731
     tr, = R.rollout("sokoban", [1000], [0], cfg, agent=mute)

@@ -61,7 +61,7 @@ def test_train_smoke_writes_metrics_dumps_checkpoint_and_final(bandit_tiny, tmp_
     p = run([str(ROOT / "eval.py"), "--env", "bandit", "--policy", str(final), "--prompts", "8",
              "--json", str(tmp_path / "e.json")], tmp_path)
     assert "| bandit |" in p.stdout
-    assert json.loads((tmp_path / "e.json").read_text())["rollout"]["max_turns"] == 5
+    assert json.loads((tmp_path / "e.json").read_text())["rollout"]["bandit"]["max_turns"] == 5
 
 
 def test_resume_reproduces_an_uninterrupted_run(bandit_tiny, tmp_path):
@@ -155,3 +155,51 @@ def test_wilson_interval():
     assert lo == 0 and 0 < hi < 0.02
     lo, hi = wilson(128, 256)
     assert lo < 0.5 < hi and hi - lo == pytest.approx(2 * 1.96 * math.sqrt(0.25 / 256), rel=0.02)
+
+
+def test_paper_switches_in_config_and_help():
+    """Each faithfulness switch: the preset's KL kind and placement, the group noise, the mask, the loss
+    aggregation and the reply budget land in the config as the paper ran them, and --help names the paper's value."""
+    import cli
+    parse = lambda args: train.derive(cli.parse(train.Config, args, presets=train.PRESETS)[0], set(args))  # noqa
+    ppo = parse(["--preset", "starpo", "--algo", "ppo"])
+    assert (ppo.kl_coef, ppo.kl_kind, ppo.kl_in_reward, ppo.filter, ppo.clip_high) == (0.001, "k1", True, 1.0, 0.2)
+    grpo = parse(["--preset", "starpo", "--algo", "grpo"])
+    assert (grpo.kl_kind, grpo.kl_in_reward) == ("k1", False)  # GRPO: a KL loss term (RAGEN's kl_loss_type kl)
+    s = parse(["--preset", "starpo-s", "--algo", "ppo"])
+    assert (s.kl_coef, s.kl_in_reward, s.filter, s.clip_high) == (0.0, False, 0.25, 0.28)
+    assert parse(["--no-kl-in-reward", "--preset", "starpo", "--algo", "ppo"]).kl_in_reward is False
+    with pytest.raises(ValueError, match="--kl-in-reward"):
+        parse(["--kl-in-reward", "--algo", "grpo"])
+    d = parse([])
+    assert (d.group_noise, d.response_mask, d.loss_agg, d.ppo_epochs, d.online_k) == \
+        ("shared", True, "token-mean", 1, 1)
+    assert parse(["--online-k", "3"]).groups == 3 * d.prompts
+    hub = lambda env: parse(["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--env", env]).max_new_tokens  # noqa: E731
+    assert (d.max_new_tokens, hub("sokoban"), hub("bandit")) == (100, 400, 500)
+    assert train.group_samples("shared", 2, 3) == [0] * 6
+    assert train.group_samples("independent", 2, 3) == [0, 1, 2, 0, 1, 2]
+    helptext = " ".join(train.cli.build_parser(train.Config, "").format_help().split())
+    for needle in ("StarPO: 0.001", "RAGEN's `kl`", "apply_kl_penalty", "Online-k", "RAGEN's seeding",
+                   "as the paper's runs did", "the paper's 1/|tau| form", "RAGEN's 400, 500 on bandit",
+                   "the paper's runs: 1"):
+        assert needle in helptext, needle
+
+
+def test_switches_change_what_they_say(bandit_tiny, tmp_path):
+    """--online-k 2 rolls out 2P prompts and takes twice the optimizer steps, each trajectory once; --ppo-epochs 2
+    passes twice over P prompts' rollouts; --no-response-mask trains the prompt tokens too."""
+    common = [str(ROOT / "train.py"), "--env", "bandit", "--no-think", "--model", bandit_tiny, "--lr", "1e-3",
+              "--prompts", "4", "--rollouts", "4", "--filter", "1.0", "--mini-batch", "16", "--steps", "1",
+              "--eval-every", "0", "--eval-prompts", "2", "--save-every", "0", "--group-noise", "independent"]
+    rows = {}
+    for name, extra in (("base", []), ("online2", ["--online-k", "2"]), ("epochs2", ["--ppo-epochs", "2"]),
+                        ("allmask", ["--no-response-mask"])):
+        run(common + extra + ["--out", str(tmp_path / name)], tmp_path)
+        rows[name] = read_jsonl(tmp_path / name / "metrics.jsonl")[0]
+    if rows["base"]["train/skipped_zero_std"]:
+        pytest.skip("the small policy gave no reward spread on these prompts")
+    assert (rows["base"]["train/rows"], rows["base"]["train/optimizer_steps"]) == (16, 1)
+    assert (rows["online2"]["train/rows"], rows["online2"]["train/optimizer_steps"]) == (32, 2)
+    assert (rows["epochs2"]["train/rows"], rows["epochs2"]["train/optimizer_steps"]) == (16, 2)
+    assert rows["allmask"]["train/rows"] == 16 and rows["allmask"]["train/entropy"] != rows["base"]["train/entropy"]
