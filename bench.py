@@ -44,6 +44,7 @@ import time
 
 import torch
 
+import cli
 from starpo import fused_logprobs_entropy, naive_logprobs_entropy
 
 
@@ -465,7 +466,7 @@ SECTIONS = {
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sections", nargs="*", help=f"sections to run, any of {list(SECTIONS)}; default: all")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see docstring)")
@@ -481,7 +482,7 @@ def main(argv=None):
     parser.add_argument("--rollout-env", default="sokoban")
     parser.add_argument("--rollout-prompts", type=int, default=8, help="P prompts (paper: 8)")
     parser.add_argument("--rollout-n", type=int, default=16, help="N rollouts per prompt (paper: 16)")
-    parser.add_argument("--rollout-temperature", type=float, default=1.0, help="training temperature 1.0")
+    parser.add_argument("--rollout-temperature", type=cli.finite_float, default=1.0, help="training temperature 1.0")
     parser.add_argument("--prefix-rows", type=int, default=32, help="SFT rows per batch (the tiny default 32)")
     parser.add_argument("--prior-episodes", type=int, default=64, help="episodes per env/mode/temperature")
     parser.add_argument("--prior-temperatures", default="0.5,1.0", help="eval 0.5, training 1.0")
@@ -491,14 +492,28 @@ def main(argv=None):
     parser.add_argument("--gpu-prompts", type=int, default=8, help="gpu: P prompts (paper: 8)")
     parser.add_argument("--gpu-rollouts", type=int, default=16, help="gpu: N rollouts per prompt (paper: 16)")
     parser.add_argument("--gpu-reply", type=int, default=400, help="gpu: tokens per reply (RAGEN: 400)")
-    parser.add_argument("--gpu-filter", type=float, default=0.25, help="gpu: groups kept (StarPO-S: 0.25)")
+    parser.add_argument("--gpu-filter", type=cli.finite_float, default=0.25, help="gpu: groups kept (StarPO-S: 0.25)")
     parser.add_argument("--gpu-iterations", type=int, default=2, help="gpu: training iterations")
     args = parser.parse_args(argv)
     unknown = [s for s in args.sections if s not in SECTIONS]
-    if unknown:
-        parser.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
-    if args.repeats < 1 or args.threads < 1:
-        parser.error(f"--repeats and --threads must be >= 1, got {args.repeats}, {args.threads}")
+    counts = ["threads", "repeats", "fused_seqs", "fused_seq_len", "fused_hidden", "fused_vocab", "rollout_prompts",
+              "prefix_rows", "prior_episodes", *QWEN_05B, "gpu_prompts", "gpu_reply", "gpu_iterations"]
+    try:
+        cli.check([(not unknown, f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")]
+                  + [(getattr(args, k) >= 1, f"--{k.replace('_', '-')} {getattr(args, k)}: must be >= 1")
+                     for k in counts]
+                  + [(args.rollout_n >= 2, f"--rollout-n {args.rollout_n}: must be >= 2"),
+                     (args.gpu_rollouts >= 2, f"--gpu-rollouts {args.gpu_rollouts}: must be >= 2"),
+                     (args.fused_chunk is None or args.fused_chunk >= 1, f"--fused-chunk {args.fused_chunk}: must be >= 1"),
+                     (args.rollout_temperature >= 0, f"--rollout-temperature {args.rollout_temperature}: must be >= 0"),
+                     (0 < args.gpu_filter <= 1, f"--gpu-filter {args.gpu_filter}: must be in (0, 1]")])
+        temps = [cli.finite_float(t) for t in args.prior_temperatures.split(",")]
+        cli.check([(all(t >= 0 for t in temps), f"--prior-temperatures {args.prior_temperatures}: must be >= 0")])
+        from policy import pick_device
+        args.device = str(pick_device(args.device))
+    except (ValueError, argparse.ArgumentTypeError) as e:
+        cli.fail(f"--prior-temperatures {args.prior_temperatures}: {e}" if isinstance(e, argparse.ArgumentTypeError)
+                 else str(e))
     torch.set_num_threads(args.threads)
     results = {}
     for name in args.sections or list(SECTIONS):
@@ -507,4 +522,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -1,8 +1,11 @@
-"""Command-line flags from a `@dataclass Config`: one kebab-case flag per field, its help from the field.
+"""Command-line flags from a `@dataclass Config`, and the rules every entry script follows with bad input.
 
-Shared by train.py, eval.py and sft_baseline.py so that all three read the same way (guide rule 2): a plain
-dataclass is the whole configuration; this file only turns it into argparse flags and back, and reports bad
-values as one line (`train.py: error: --lr -1.0: must be > 0`) instead of a traceback.
+Shared by train.py, eval.py, sft_baseline.py, webshop.py and bench.py so that all of them read the same way: a
+plain dataclass is the whole configuration; this file turns it into kebab-case argparse flags and back, and
+turns every bad input into one line on stderr and exit code 2 (`train.py: error: --lr -1.0: must be > 0`),
+never a traceback: argparse's own errors (one line, no usage block), non-finite numbers (rejected while
+parsing), files that are missing, unreadable or corrupt (named, with what is wrong), output paths that cannot
+be written, run folders that would be overwritten. Ctrl-C ends a script with one line and exit code 130.
 
 Deviations from the paper / RAGEN: none (RAGEN configures runs with Hydra YAML; we use flags).
 """
@@ -10,13 +13,38 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
+import os
 import sys
 import typing
+from pathlib import Path
+
+SEED_MAX = 2 ** 31 - 1  # seeds are mixed into 64-bit generator seeds (seed * 1_000_003 + iteration + rank << 40)
 
 
 def flag(default, help: str, choices=None):
     """A Config field with its help string (and allowed values)."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a float that is a number (nan, inf and -inf are refused while parsing)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+    return value
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line (`prog: error: argument --steps: invalid int value: 'x'`), without the
+    usage block, so that every bad input of every script reads the same way."""
+
+    def error(self, message):
+        fail(message, self.prog)
 
 
 def _parse_type(tp):
@@ -30,8 +58,7 @@ def _parse_type(tp):
 
 
 def build_parser(cls, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=description,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get("derived"):  # computed after parsing, not a flag
@@ -46,8 +73,9 @@ def build_parser(cls, description: str) -> argparse.ArgumentParser:
             parser.add_argument(name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=help_)
         else:
-            parser.add_argument(name, type=tp, nargs=nargs, choices=f.metadata.get("choices"),
-                                default=argparse.SUPPRESS, metavar=f.name.upper(), help=help_)
+            parser.add_argument(name, type=finite_float if tp is float else tp, nargs=nargs,
+                                choices=f.metadata.get("choices"), default=argparse.SUPPRESS,
+                                metavar=f.name.upper(), help=help_)
     return parser
 
 
@@ -76,8 +104,76 @@ def check(rules: list[tuple[bool, str]]) -> None:
             raise ValueError(message)
 
 
-def fail(message: str, prog: str | None = None) -> typing.NoReturn:
-    """Print one error line and exit with argparse's usage-error code."""
-    prog = prog or sys.argv[0].rsplit("/", 1)[-1]
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+def seed_rule(seed: int) -> tuple[bool, str]:
+    return 0 <= seed <= SEED_MAX, f"--seed {seed}: must be in 0..{SEED_MAX}"
+
+
+def read_json(path: Path | str, what: str) -> dict:
+    """A JSON object from a file the user pointed at; ValueError naming the file and what is wrong with it."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{what}: {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what}: cannot read {path} ({e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what}: {path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what}: {path} holds a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def writable_file(path: str, flag_name: str) -> Path:
+    """Check, before any work, that `path` can be written (its folder exists, it is not a folder itself)."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise ValueError(f"{flag_name} {path}: is a folder, not a file")
+    if not parent.is_dir():
+        raise ValueError(f"{flag_name} {path}: its folder {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise ValueError(f"{flag_name} {path}: not writable")
+    return p
+
+
+def run_folder(path: str, flag_name: str, overwrite: bool) -> Path:
+    """Check that a new run may be written into `path` and nothing there would be lost: a folder that does not
+    exist yet (its parent must be a writable folder, or creatable), an empty one, or, with --overwrite, an
+    earlier run's folder. Nothing is written here."""
+    if not path:
+        raise ValueError(f"{flag_name} '': needs a folder path")
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"{flag_name} {path}: exists and is not a folder")
+    if p.is_dir() and any(p.iterdir()):
+        if not (p / "config.json").exists():
+            raise ValueError(f"{flag_name} {path}: a folder with other files in it, not a run folder; choose "
+                             f"another {flag_name}")
+        if not overwrite:
+            raise ValueError(f"{flag_name} {path}: a run is already there; continue it with --resume {path}, "
+                             f"or replace it with --overwrite")
+    existing = next(q for q in [p, *p.parents] if q.exists())  # the nearest folder that exists
+    if not existing.is_dir():
+        raise ValueError(f"{flag_name} {path}: {existing} is a file, so no folder can be made under it")
+    if not os.access(existing, os.W_OK):
+        raise ValueError(f"{flag_name} {path}: {existing} is not writable")
+    return p
+
+
+def fail(message: str, prog: str | None = None, code: int = 2) -> typing.NoReturn:
+    """Print one error line and exit (argparse's usage-error code 2 by default)."""
+    prog = prog or Path(sys.argv[0]).name
+    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
+    raise SystemExit(code)
+
+
+def run(main) -> None:
+    """An entry script's `__main__`: main(); Ctrl-C ends it with one line (what main put in the KeyboardInterrupt,
+    e.g. how to resume) and exit code 130, the shell's code for SIGINT."""
+    try:
+        main()
+    except KeyboardInterrupt as e:
+        detail = f": {e}" if str(e) else ""
+        print(f"{Path(sys.argv[0]).name}: interrupted{detail}", file=sys.stderr)
+        raise SystemExit(130) from None

@@ -36,7 +36,8 @@ import torch
 
 import cli
 from envs import ENVS, EVAL_SEEDS
-from rollout import RolloutConfig, Trajectory, default_reply_tokens, dump, expert_agent, random_agent, rollout
+from rollout import (RolloutConfig, Trajectory, default_reply_tokens, dump, expert_agent, random_agent, rollout,
+                     rollout_rules)
 
 SCRIPTED = ("random", "expert")
 ROLLOUT_KEYS = ("max_turns", "max_actions_per_turn", "max_actions", "format_penalty", "think", "context_turns",
@@ -47,7 +48,8 @@ ROLLOUT_KEYS = ("max_turns", "max_actions_per_turn", "max_actions", "format_pena
 class Config:
     env: str = cli.flag("sokoban", "environment to evaluate on", choices=sorted(ENVS))
     envs: str = cli.flag("", "comma-separated envs (overrides --env); prints one markdown table")
-    policy: str = cli.flag("tiny", "a run's policy folder (RUN_DIR/final), a hub id, tiny, random or expert")
+    policy: str = cli.flag("tiny", "a run folder (its final/ or latest checkpoint), a model folder, a hub id, tiny, "
+                                   "random or expert")
     prompts: int = cli.flag(256, "how many of the fixed eval prompts (seeds 123..) to use, at most 256")
     temperature: float = cli.flag(0.5, "sampling temperature (paper: 0.5); 0 = greedy")
     max_turns: int | None = cli.flag(None, "turns per episode (default: the policy's training value, else 5)")
@@ -91,6 +93,7 @@ def summarize(trajs: list[Trajectory], scripted: bool = False) -> dict:
         "effective_action": sum(t.effective_actions for t in trajs) / max(1, acts),
         "format": sum(x.parsed for x in turns) / max(1, len(turns)),
         "turns": len(turns) / n,
+        "truncated": sum(t.truncated for t in trajs) / n,
         "response_length": None if scripted else sum(x.response_tokens for x in turns) / max(1, len(turns)),
         "episodes": n,
     }
@@ -98,9 +101,7 @@ def summarize(trajs: list[Trajectory], scripted: bool = False) -> dict:
 
 def evaluate(env: str, rcfg: RolloutConfig, model=None, tokenizer=None, agent=None, prompts: int = 256,
              seed: int = 0, batch: int = 256, env_overrides: dict | None = None) -> tuple[dict, list[Trajectory]]:
-    """The first `prompts` eval seeds, one rollout each, in batches; -> (metrics, trajectories)."""
-    if not 1 <= prompts <= len(EVAL_SEEDS):
-        raise ValueError(f"--prompts {prompts}: must be in 1..{len(EVAL_SEEDS)}")
+    """The first `prompts` (1..256) eval seeds, one rollout each, in batches; -> (metrics, trajectories)."""
     seeds = EVAL_SEEDS[:prompts]
     device = next(model.parameters()).device if model is not None else torch.device("cpu")
     gen = torch.Generator(device=device).manual_seed(seed)  # fresh per call: eval never moves training's RNG
@@ -123,7 +124,7 @@ def rollout_config_for(policy_path: str | None, cfg: Config, env: str) -> Rollou
     from policy import model_kind
     saved = {}
     if policy_path is not None and (Path(policy_path) / "train_config.json").exists():
-        saved = json.loads((Path(policy_path) / "train_config.json").read_text())
+        saved = cli.read_json(Path(policy_path) / "train_config.json", "--policy")
     values = {k: saved[k] for k in ROLLOUT_KEYS if k in saved}
     values.update({k: getattr(cfg, k) for k in ROLLOUT_KEYS if getattr(cfg, k, None) is not None})
     values.setdefault("max_new_tokens", default_reply_tokens(model_kind(policy_path or "tiny"), env))
@@ -141,31 +142,61 @@ def table(rows: dict[str, dict]) -> str:
     return "\n".join(out)
 
 
+def policy_folder(name: str) -> str:
+    """`--policy RUN_DIR` means the run's final policy, or its latest checkpoint's while it has no final one."""
+    run = Path(name)
+    if (run / "config.json").is_file() and (run / "metrics.jsonl").is_file():  # a run folder, not a model folder
+        if (run / "final" / "config.json").is_file():
+            return str(run / "final")
+        if (run / "latest").is_file():
+            return str(run / (run / "latest").read_text().strip() / "policy")
+        raise ValueError(f"--policy {name}: a run folder with neither final/ nor a checkpoint yet")
+    return name
+
+
 def main(argv=None):
-    cfg, _ = cli.parse(Config, argv, description=__doc__.split("\n")[0])
-    envs = [e.strip() for e in cfg.envs.split(",") if e.strip()] if cfg.envs else [cfg.env]
-    for e in envs:
-        if e not in ENVS:
-            cli.fail(f"--envs: unknown env {e!r}; allowed: {', '.join(sorted(ENVS))}")
-    if not 1 <= cfg.prompts <= len(EVAL_SEEDS):
-        cli.fail(f"--prompts {cfg.prompts}: must be in 1..{len(EVAL_SEEDS)}")
-    if cfg.temperature < 0:
-        cli.fail(f"--temperature {cfg.temperature}: must be >= 0")
-    if cfg.batch < 1:
-        cli.fail(f"--batch {cfg.batch}: must be >= 1")
-    from policy import load_policy, pick_device, set_cpu_threads
-    model = tok = None
-    path = None
+    # ---- config, checked before any work
     try:
+        cfg, _ = cli.parse(Config, argv, description=__doc__.split("\n")[0])
+        envs = [e.strip() for e in cfg.envs.split(",") if e.strip()] if cfg.envs else [cfg.env]
+        unknown = [e for e in envs if e not in ENVS]
+        cli.check([
+            (not unknown, f"--envs: unknown env {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(ENVS))}"),
+            (1 <= cfg.prompts <= len(EVAL_SEEDS), f"--prompts {cfg.prompts}: must be in 1..{len(EVAL_SEEDS)}"),
+            (cfg.temperature >= 0, f"--temperature {cfg.temperature}: must be >= 0 (0 = greedy)"),
+            (cfg.batch >= 1, f"--batch {cfg.batch}: must be >= 1"),
+            (cfg.dump >= 0, f"--dump {cfg.dump}: must be >= 0"),
+            (cfg.threads >= 1, f"--threads {cfg.threads}: must be >= 1"),
+            cli.seed_rule(cfg.seed),
+            (not cfg.webshop_data or "webshop" in envs,
+             f"--webshop-data {cfg.webshop_data}: only for the webshop env (evaluating: {', '.join(envs)})"),
+        ])
+        if cfg.json:
+            cli.writable_file(cfg.json, "--json")
+        from policy import load_policy, pick_device, set_cpu_threads
         device = pick_device(cfg.device)
         set_cpu_threads(device, cfg.threads)
+        model = tok = path = None
         if cfg.policy not in SCRIPTED:
-            model, tok, path = load_policy(cfg.policy, device)
+            folder = policy_folder(cfg.policy)
+            if folder != cfg.policy:
+                print(f"--policy {cfg.policy} is a run folder: loading {folder}", file=sys.stderr)
+            model, tok, path = load_policy(folder, device, flag_name="--policy")
         rcfgs = {env: rollout_config_for(path, cfg, env) for env in envs}
+        for rcfg in rcfgs.values():
+            cli.check(rollout_rules(rcfg))
+        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if positions is not None and rcfgs[envs[0]].max_new_tokens >= positions:
+            raise ValueError(f"--max-new-tokens {rcfgs[envs[0]].max_new_tokens}: the model reads at most "
+                             f"{positions} positions")
+        overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
+        if "webshop" in envs:
+            ENVS["webshop"](**overrides)  # a bad data folder fails now, not after the other envs
     except ValueError as e:
         cli.fail(str(e))
-    overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
-    rows, all_trajs = {}, {}
+
+    # ---- one eval per env
+    rows = {}
     for env in envs:
         rcfg, agent = rcfgs[env], None
         if cfg.policy == "random":
@@ -173,13 +204,10 @@ def main(argv=None):
         elif cfg.policy == "expert":
             agent = expert_agent(rcfg.max_actions_per_turn)
         t0 = time.time()
-        try:
-            m, trajs = evaluate(env, rcfg, model, tok, agent, cfg.prompts, cfg.seed, cfg.batch,
-                                overrides if env == "webshop" else None)
-        except ValueError as e:
-            cli.fail(str(e))
+        m, trajs = evaluate(env, rcfg, model, tok, agent, cfg.prompts, cfg.seed, cfg.batch,
+                            overrides if env == "webshop" else None)
         m["seconds"] = time.time() - t0
-        rows[env], all_trajs[env] = m, trajs
+        rows[env] = m
         print(f"{env}: success {m['success']:.3f} [{m['success_lo']:.3f}, {m['success_hi']:.3f}] "
               f"actions {m['num_actions']:.2f} valid {m['valid_action']:.3f} effective "
               f"{m['effective_action']:.3f} format {m['format']:.3f} ({m['seconds']:.0f}s)", file=sys.stderr)
@@ -195,4 +223,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

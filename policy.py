@@ -72,10 +72,12 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 def pick_device(name: str = "auto") -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+    if name not in ("cpu", "cuda") and not re.fullmatch(r"cuda:\d+", name):
         raise ValueError(f"--device {name!r}: allowed are auto, cpu, cuda, cuda:N")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {name!r}: CUDA is not available on this machine (allowed: auto, cpu)")
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA devices")
     return torch.device(name)
 
 
@@ -113,24 +115,66 @@ def model_kind(name: str) -> str:
     return "hf"
 
 
+def resolve_model(name: str, flag_name: str = "--model") -> tuple[str, bool]:
+    """Where `name` loads from -> (path or hub id, local_files_only), or a ValueError that says what to do.
+
+    An existing folder is used as it is; a path-shaped name (absolute, ./, ~, or more than one "/") that does not
+    exist is a missing folder. A hub id ("org/name") loads from the local Hugging Face cache when the hub cannot
+    be reached, and fails in seconds when the cache lacks it (transformers alone retries for about a minute)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{flag_name} {name!r}: is a file; pass the folder that holds config.json")
+        return str(path), True
+    if name.startswith(("/", ".", "~")) or name.count("/") != 1 or not all(name.split("/")):
+        raise ValueError(f"{flag_name} {name!r}: no such folder (and not a hub id of the form org/name)")
+    from huggingface_hub import try_to_load_from_cache
+    cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    if hub_reachable():
+        return name, False
+    if not cached:
+        raise ValueError(f"{flag_name} {name!r}: not in the local Hugging Face cache, and the hub cannot be reached "
+                         f"from this machine: download it first (huggingface-cli download {name}) or pass a "
+                         f"local folder")
+    return name, True
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connection within `timeout` s (HF_HUB_OFFLINE=1: never)."""
+    import socket
+    from urllib.parse import urlparse
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def load_policy(name: str = "tiny", device: torch.device | str = "cpu", cache_dir: str | None = None,
-                progress: bool = True, tiny: dict | None = None):
+                progress: bool = True, tiny: dict | None = None, flag_name: str = "--model"):
     """-> (model, tokenizer, path). `name`: "tiny", a hub id (e.g. Qwen/Qwen2.5-0.5B-Instruct) or a folder.
 
-    `tiny`: overrides for ensure_tiny (warmup=, model_cfg=, envs=), e.g. the tests' small build.
+    `tiny`: overrides for ensure_tiny (warmup=, model_cfg=, envs=), e.g. the tests' small build. Any failure to
+    read the model is a ValueError naming `flag_name`, the folder and what went wrong (a truncated safetensors
+    file, a config that is not JSON, ...).
     """
     from transformers import AutoModelForCausalLM
-    path = ensure_tiny(cache_dir, progress=progress, **(tiny or {})) if name == "tiny" else name
+    path, local = (ensure_tiny(cache_dir, progress=progress, **(tiny or {})), True) if name == "tiny" else \
+        resolve_model(name, flag_name)
     try:
-        tok = tokenizer_class(path).from_pretrained(path)
-        model = _from_pretrained(AutoModelForCausalLM, path)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--model {name!r}: cannot load it ({str(e).splitlines()[0]}); allowed: tiny, a local "
-                         f"folder saved with save_pretrained, or a hub id reachable from this machine") from None
+        tok = tokenizer_class(path).from_pretrained(path, local_files_only=local)
+        model = _from_pretrained(AutoModelForCausalLM, path, local_files_only=local)
+    except Exception as e:  # the files are the user's input: whatever is wrong with them, say it in one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ValueError(f"{flag_name} {name!r}: cannot load a causal LM and its tokenizer from {path} "
+                         f"({type(e).__name__}: {first})") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     if tok.chat_template is None:
-        raise ValueError(f"--model {name!r}: its tokenizer has no chat template (use an instruct model)")
+        raise ValueError(f"{flag_name} {name!r}: its tokenizer has no chat template (use an instruct model)")
     return model.to(device), tok, str(path)
 
 
@@ -174,10 +218,15 @@ class Critic(nn.Module):
 def load_critic(path: str, device: torch.device | str = "cpu") -> Critic:
     """The same loader as the policy: a causal-LM checkpoint gives the backbone (its LM head is dropped)."""
     from transformers import AutoModel
-    critic = Critic(_from_pretrained(AutoModel, path))
     head = Path(path) / "value_head.pt"
-    if head.exists():
-        critic.value_head.load_state_dict(torch.load(head, map_location="cpu"))
+    try:
+        local = Path(path).is_dir() or not hub_reachable()
+        critic = Critic(_from_pretrained(AutoModel, path, local_files_only=local))
+        if head.exists():
+            critic.value_head.load_state_dict(torch.load(head, map_location="cpu"))
+    except Exception as e:  # a checkpoint the user pointed at: say which file is wrong, in one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ValueError(f"cannot load the critic from {path} ({type(e).__name__}: {first})") from None
     return critic.to(device)
 
 

@@ -86,6 +86,16 @@ class RolloutConfig:
     kv_cache: bool = True  # keep each episode's KV cache across turns, prefill a group's first prompt once (speed)
 
 
+def rollout_rules(cfg) -> list[tuple[bool, str]]:
+    """The rules every entry script checks its rollout flags with (cli.check), where they are parsed."""
+    return [(cfg.max_turns >= 1, f"--max-turns {cfg.max_turns}: must be >= 1"),
+            (cfg.max_actions_per_turn >= 1, f"--max-actions-per-turn {cfg.max_actions_per_turn}: must be >= 1"),
+            (cfg.max_actions >= 1, f"--max-actions {cfg.max_actions}: must be >= 1"),
+            (cfg.max_new_tokens >= 1, f"--max-new-tokens {cfg.max_new_tokens}: must be >= 1"),
+            (cfg.context_turns >= 0, f"--context-turns {cfg.context_turns}: must be >= 0 (0 = the whole "
+                                     f"conversation)")]
+
+
 @dataclass
 class Turn:
     obs: str                 # the state shown at this turn
@@ -129,6 +139,7 @@ class Trajectory:
     segments: list[Segment] = field(default_factory=list)
     success: bool = False
     done: bool = False       # the environment ended the episode (vs. a budget)
+    truncated: bool = False  # ended because its next turn could have run past the model's positions
     messages: list[dict] = field(default_factory=list)  # the full conversation as text, for dumps
 
     @property
@@ -524,33 +535,46 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
     device = next(model.parameters()).device if model is not None else None
     amp = autocast_dtype(device) if model is not None else None
     past: list[EpisodeCache | None] = [None] * len(envs)
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)  # positions the model reads
     close = turn_close(tokenizer) if tokenizer is not None else None
     system = tokenizer(tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT}], tokenize=False),
                        add_special_tokens=False)["input_ids"] if tokenizer is not None else []
     for k in range(1, cfg.max_turns + 1):
         if not live:
             break
-        prompts = []
+        prompts, fits = [], []
         for i in live:
             user_msgs[i].append(("" if k == 1 else feedback_text(trajs[i].turns[-1])) +
                                 turn_text(k, obs[i], left[i], cfg))
             msgs = window_messages(hdr[i], user_msgs[i], replies[i], cfg.context_turns)
+            if tokenizer is not None:
+                if cfg.context_turns == 0 and running[i] is not None:
+                    # extend the sequence: template close was appended after the reply; now the next user turn
+                    delta = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+                    prev = tokenizer.apply_chat_template(msgs[:-1], tokenize=False)
+                    if not delta.startswith(prev):
+                        raise ValueError("chat template is not prefix-stable across turns; use --context-turns")
+                    add = tokenizer(delta[len(prev):] + prefill(cfg), add_special_tokens=False)["input_ids"]
+                    n = len(running[i].input_ids) + len(add)
+                else:
+                    ids = render_ids(tokenizer, msgs, cfg)
+                    n = len(ids)
+                if limit is not None and n + cfg.max_new_tokens > limit:
+                    # the reply could run past the model's positions: the episode ends before this turn
+                    user_msgs[i].pop()
+                    trajs[i].truncated, past[i] = True, None
+                    continue
+                if cfg.context_turns == 0 and running[i] is not None:
+                    running[i].input_ids += add
+                    running[i].loss_mask += [0] * len(add)
+                else:
+                    running[i] = Segment(list(ids), [0] * len(ids), len(system) if ids[:len(system)] == system else -1)
+                prompts.append(running[i].input_ids)
             trajs[i].messages = full_messages(hdr[i], user_msgs[i], replies[i])
-            if tokenizer is None:
-                continue
-            if cfg.context_turns == 0 and running[i] is not None:
-                # extend the sequence: template close was appended after the reply; now the next user turn
-                delta = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-                prev = tokenizer.apply_chat_template(msgs[:-1], tokenize=False)
-                if not delta.startswith(prev):
-                    raise ValueError("chat template is not prefix-stable across turns; use --context-turns")
-                add = tokenizer(delta[len(prev):] + prefill(cfg), add_special_tokens=False)["input_ids"]
-                running[i].input_ids += add
-                running[i].loss_mask += [0] * len(add)
-            else:
-                ids = render_ids(tokenizer, msgs, cfg)
-                running[i] = Segment(list(ids), [0] * len(ids), len(system) if ids[:len(system)] == system else -1)
-            prompts.append(running[i].input_ids)
+            fits.append(i)
+        live = fits
+        if not live:
+            break
         # --- replies for all live episodes at once
         if agent is not None:
             texts = [scripted_reply(*agent(envs[i], left[i], cfg), cfg) for i in live]

@@ -59,9 +59,9 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -71,7 +71,7 @@ import torch.nn.functional as F
 import cli
 from envs import ENVS, train_seeds
 from eval import evaluate
-from rollout import default_reply_tokens, dump, expert_agent, rollout
+from rollout import default_reply_tokens, dump, expert_agent, rollout, rollout_rules
 from starpo import make_optimizer, shared_prefix_len, token_logprobs
 from train import rollout_config, save_final
 
@@ -116,7 +116,8 @@ class Config:
     eval_temperature: float = cli.flag(0.5, "eval sampling temperature (paper: 0.5)")
     dump_trajectories: int = cli.flag(3, "trajectories written as text at each eval")
     seed: int = cli.flag(0, "seed of everything (data seeds, batch order, eval sampling)")
-    out: str | None = cli.flag(None, "run folder (default: runs/sft-ENV-sSEED)")
+    out: str | None = cli.flag(None, "run folder (default: runs/sft-ENV-sSEED); never overwritten unless --overwrite")
+    overwrite: bool = cli.flag(False, "replace the run already in --out")
     model: str = cli.flag("tiny", "tiny (embedded, offline), a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or a folder")
     device: str = cli.flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
     threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)")
@@ -134,17 +135,14 @@ def derive(cfg: Config, explicit: set[str]) -> Config:
     cli.fill_defaults(cfg, dict(max_new_tokens=default_reply_tokens(kind, cfg.env)))
     if cfg.expert_actions is None:  # the fewest moves per turn that let the expert use the whole budget
         cfg.expert_actions = min(cfg.max_actions_per_turn, -(-cfg.max_actions // max(1, cfg.max_turns)))
-    cli.check([
+    cli.check(rollout_rules(cfg) + [
         (cfg.train_trajectories >= 1, f"--train-trajectories {cfg.train_trajectories}: must be >= 1"),
         (cfg.test_trajectories >= 1, f"--test-trajectories {cfg.test_trajectories}: must be >= 1"),
-        (cfg.max_turns >= 1 and cfg.max_actions_per_turn >= 1 and cfg.max_actions >= 1,
-         "--max-turns, --max-actions-per-turn and --max-actions must be >= 1"),
         (1 <= cfg.expert_actions <= cfg.max_actions_per_turn,
          f"--expert-actions {cfg.expert_actions}: must be in 1..{cfg.max_actions_per_turn} (--max-actions-per-turn)"),
-        (cfg.max_new_tokens >= 1, f"--max-new-tokens {cfg.max_new_tokens}: must be >= 1"),
-        (cfg.context_turns >= 0, f"--context-turns {cfg.context_turns}: must be >= 0"),
         (cfg.epochs >= 1, f"--epochs {cfg.epochs}: must be >= 1"),
-        (cfg.batch >= 1 and cfg.micro_batch >= 1, "--batch and --micro-batch must be >= 1"),
+        (cfg.batch >= 1, f"--batch {cfg.batch}: must be >= 1"),
+        (cfg.micro_batch >= 1, f"--micro-batch {cfg.micro_batch}: must be >= 1"),
         (cfg.lr > 0, f"--lr {cfg.lr}: must be > 0"),
         (0 <= cfg.adam_beta2 < 1, f"--adam-beta2 {cfg.adam_beta2}: must be in [0, 1)"),
         (cfg.lora_rank >= 0, f"--lora-rank {cfg.lora_rank}: must be >= 0 (0 = full fine-tuning)"),
@@ -152,10 +150,13 @@ def derive(cfg: Config, explicit: set[str]) -> Config:
         (cfg.eval_every >= 0, f"--eval-every {cfg.eval_every}: must be >= 0"),
         (1 <= cfg.eval_prompts <= 256, f"--eval-prompts {cfg.eval_prompts}: must be in 1..256"),
         (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0"),
-        (cfg.seed >= 0, f"--seed {cfg.seed}: must be >= 0"),
+        (cfg.dump_trajectories >= 0, f"--dump-trajectories {cfg.dump_trajectories}: must be >= 0"),
+        cli.seed_rule(cfg.seed),
         (cfg.threads >= 1, f"--threads {cfg.threads}: must be >= 1"),
+        (not cfg.webshop_data or cfg.env == "webshop",
+         f"--webshop-data {cfg.webshop_data}: only for --env webshop (this run: --env {cfg.env})"),
     ])
-    cfg.out = cfg.out or f"runs/sft-{cfg.env}-s{cfg.seed}"
+    cfg.out = cfg.out if cfg.out is not None else f"runs/sft-{cfg.env}-s{cfg.seed}"
     return cfg
 
 
@@ -322,11 +323,10 @@ def main(argv=None):
     try:
         cfg, explicit = cli.parse(Config, argv, description=__doc__.split("\n")[0])
         cfg = derive(cfg, explicit)
+        out = cli.run_folder(cfg.out, "--out", cfg.overwrite)
     except ValueError as e:
         cli.fail(str(e))
     from policy import autocast_dtype, load_policy, pick_device, set_cpu_threads
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
 
     # ---- model (+ LoRA), optimizer
     t_start = time.time()
@@ -334,10 +334,16 @@ def main(argv=None):
         device = pick_device(cfg.device)
         set_cpu_threads(device, cfg.threads)
         policy, tok, path = load_policy(cfg.model, device)
-        env_overrides = {"data_dir": cfg.webshop_data} if (cfg.webshop_data and cfg.env == "webshop") else {}
+        positions = getattr(policy.config, "max_position_embeddings", None)
+        if positions is not None and cfg.max_new_tokens >= positions:
+            raise ValueError(f"--max-new-tokens {cfg.max_new_tokens}: the model reads at most {positions} positions")
+        env_overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
         ENVS[cfg.env](**env_overrides)  # fail now, not mid-run, on a bad env override
     except ValueError as e:
         cli.fail(str(e))
+    if cfg.overwrite and out.exists():  # the inputs are good: only now is the earlier run replaced
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
     amp = autocast_dtype(device)
     if cfg.lora_rank > 0:
         wrapped = add_lora(policy, cfg.lora_rank, cfg.lora_alpha)
@@ -442,4 +448,4 @@ def line(m: dict, steps: int) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

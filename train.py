@@ -48,6 +48,7 @@ Deviations from the paper / RAGEN (deliberate):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -67,7 +68,8 @@ from advantages import (broadcast_to_tokens, gae, grpo_advantages, kl_penalized_
 from envs import ENVS, train_seeds
 from eval import evaluate, summarize
 from filter import select_groups
-from rollout import RolloutConfig, Segment, default_reply_tokens, dump, rollout, trained_mask
+from rollout import (RolloutConfig, Segment, default_reply_tokens, dump, rollout, rollout_rules,
+                     trained_mask)
 from starpo import (Batch, TokenLogprobs, UpdateConfig, make_optimizer, masked_mean, shared_prefix_len,
                     token_logprobs, update)
 
@@ -136,8 +138,11 @@ class Config:
     dump_trajectories: int = cli.flag(3, "trajectories written as text at each eval")
     stop_on_collapse: bool = cli.flag(False, "end the run cleanly when the Echo Trap monitor fires")
     seed: int = cli.flag(0, "seed of everything (training seeds, sampling, mini-batch order)")
-    out: str | None = cli.flag(None, "run folder (default: runs/ENV-ALGO-sSEED)")
-    resume: str | None = cli.flag(None, "continue the run in this folder from its last checkpoint")
+    out: str | None = cli.flag(None, "run folder (default: runs/ENV-ALGO-sSEED); never overwritten unless "
+                                     "--overwrite")
+    resume: str | None = cli.flag(None, "continue the run in this folder from its last checkpoint (only --steps, "
+                                        "--device and --threads may change)")
+    overwrite: bool = cli.flag(False, "replace the run already in --out (its metrics, checkpoints, dumps, final/)")
     model: str = cli.flag("tiny", "tiny (embedded, offline), a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or a folder")
     lr: float | None = cli.flag(None, "policy learning rate (default: tiny 1e-4, hub models 1e-6)")
     critic_lr: float | None = cli.flag(None, "critic learning rate, PPO (default: tiny 1e-3, hub models 1e-5)")
@@ -146,7 +151,7 @@ class Config:
     fused: bool = cli.flag(True, "chunked log-prob/entropy path that never builds [B, T, V] logits")
     webshop_data: str | None = cli.flag(None, "folder with the original WebShop files (default: shipped catalogue)")
     plot: list[str] | None = cli.flag(None, "draw the Echo Trap signals of these run folders into one PNG and exit")
-    plot_out: str = cli.flag("echo_trap.png", "where --plot writes its PNG")
+    plot_out: str | None = cli.flag(None, "where --plot writes its PNG (default: FIRST_RUN/echo_trap.png)")
     # derived right after parsing
     groups: int = field(default=0, metadata={"derived": True})       # prompt groups rolled out: P x online_k
     groups_kept: int = field(default=0, metadata={"derived": True})
@@ -159,36 +164,37 @@ def derive(cfg: Config, explicit: set[str]) -> Config:
     cli.fill_defaults(cfg, MODEL_DEFAULTS[kind])  # tiny-sized folders get the tiny ones too
     cli.fill_defaults(cfg, dict(max_new_tokens=default_reply_tokens(kind, cfg.env),
                                 kl_in_reward=cfg.preset == "starpo" and cfg.algo == "ppo"))
-    cli.check([
+    cli.check(rollout_rules(cfg) + [
         (0 < cfg.filter <= 1, f"--filter {cfg.filter}: must be in (0, 1]"),
         (cfg.prompts >= 1, f"--prompts {cfg.prompts}: must be >= 1"),
         (cfg.rollouts >= 2, f"--rollouts {cfg.rollouts}: must be >= 2 (a group needs a spread)"),
-        (cfg.max_turns >= 1 and cfg.max_actions_per_turn >= 1 and cfg.max_actions >= 1,
-         "--max-turns, --max-actions-per-turn and --max-actions must be >= 1"),
-        (cfg.max_new_tokens >= 1, f"--max-new-tokens {cfg.max_new_tokens}: must be >= 1"),
-        (cfg.lr > 0 and cfg.critic_lr > 0, f"--lr {cfg.lr} / --critic-lr {cfg.critic_lr}: must be > 0"),
+        (cfg.lr > 0, f"--lr {cfg.lr}: must be > 0"),
+        (cfg.critic_lr > 0, f"--critic-lr {cfg.critic_lr}: must be > 0"),
         (cfg.kl_coef >= 0, f"--kl-coef {cfg.kl_coef}: must be >= 0"),
         (cfg.entropy_coef >= 0, f"--entropy-coef {cfg.entropy_coef}: must be >= 0"),
-        (0 <= cfg.clip_low < 1 and cfg.clip_high >= 0, f"--clip-low {cfg.clip_low} / --clip-high {cfg.clip_high}: "
-                                                        "need 0 <= clip-low < 1 and clip-high >= 0"),
-        (0 <= cfg.gamma <= 1 and 0 <= cfg.lam <= 1, f"--gamma {cfg.gamma} / --lam {cfg.lam}: must be in [0, 1]"),
-        (cfg.mini_batch >= 1 and cfg.micro_batch >= 1, "--mini-batch and --micro-batch must be >= 1"),
-        (cfg.online_k >= 1 and cfg.ppo_epochs >= 1, f"--online-k {cfg.online_k} / --ppo-epochs {cfg.ppo_epochs}: "
-                                                     "must be >= 1"),
+        (0 <= cfg.clip_low < 1, f"--clip-low {cfg.clip_low}: must be in [0, 1)"),
+        (cfg.clip_high >= 0, f"--clip-high {cfg.clip_high}: must be >= 0"),
+        (0 <= cfg.gamma <= 1, f"--gamma {cfg.gamma}: must be in [0, 1]"),
+        (0 <= cfg.lam <= 1, f"--lam {cfg.lam}: must be in [0, 1]"),
+        (cfg.mini_batch >= 1, f"--mini-batch {cfg.mini_batch}: must be >= 1"),
+        (cfg.micro_batch >= 1, f"--micro-batch {cfg.micro_batch}: must be >= 1"),
+        (cfg.online_k >= 1, f"--online-k {cfg.online_k}: must be >= 1"),
+        (cfg.ppo_epochs >= 1, f"--ppo-epochs {cfg.ppo_epochs}: must be >= 1"),
         (not (cfg.kl_in_reward and cfg.algo == "grpo"), "--kl-in-reward: PPO only (GRPO has no token rewards; "
                                                         "its KL is a loss term, RAGEN's kl_loss_type)"),
         (cfg.temperature > 0, f"--temperature {cfg.temperature}: must be > 0"),
         (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0"),
-        (cfg.context_turns >= 0, f"--context-turns {cfg.context_turns}: must be >= 0"),
         (cfg.steps >= 1, f"--steps {cfg.steps}: must be >= 1"),
-        (cfg.eval_every >= 0 and cfg.save_every >= 0, "--eval-every and --save-every must be >= 0"),
+        (cfg.eval_every >= 0, f"--eval-every {cfg.eval_every}: must be >= 0 (0 = only at the end)"),
+        (cfg.save_every >= 0, f"--save-every {cfg.save_every}: must be >= 0 (0 = no checkpoints)"),
+        (cfg.dump_trajectories >= 0, f"--dump-trajectories {cfg.dump_trajectories}: must be >= 0"),
         (1 <= cfg.eval_prompts <= 256, f"--eval-prompts {cfg.eval_prompts}: must be in 1..256"),
-        (cfg.seed >= 0, f"--seed {cfg.seed}: must be >= 0"),
+        cli.seed_rule(cfg.seed),
         (cfg.threads >= 1, f"--threads {cfg.threads}: must be >= 1"),
     ])
     cfg.groups = cfg.prompts * cfg.online_k
     cfg.groups_kept = max(1, int(cfg.filter * cfg.groups))
-    cfg.out = cfg.out or f"runs/{cfg.env}-{cfg.algo}-s{cfg.seed}"
+    cfg.out = cfg.out if cfg.out is not None else f"runs/{cfg.env}-{cfg.algo}-s{cfg.seed}"
     return cfg
 
 
@@ -320,6 +326,65 @@ def echo_check(mon: EchoMonitor, m: dict, baseline_iters: int = 5, std_ratio: fl
 
 # ------------------------------------------------------------------------------------------- checkpoints
 
+RESUMABLE = {"resume", "steps", "device", "threads"}  # the flags a resumed run may change
+
+
+def resume_config(cfg: Config, explicit: set[str]) -> Config:
+    """The run's own config from RUN/config.json, with --steps, --device and --threads as typed; other flags
+    typed with --resume are an error (they would be ignored)."""
+    run = Path(cfg.resume)
+    if not (run / "config.json").is_file():
+        raise ValueError(f"--resume {cfg.resume}: no config.json there (is it a run folder?)")
+    saved = cli.read_json(run / "config.json", f"--resume {cfg.resume}")
+    names = {f.name for f in dataclasses.fields(Config)}
+    unknown = sorted(set(saved) - names)
+    if unknown:
+        raise ValueError(f"--resume {cfg.resume}: {run / 'config.json'} has keys this train.py does not know: "
+                         f"{', '.join(unknown)}")
+    ignored = sorted(explicit - RESUMABLE)
+    if ignored:
+        raise ValueError(f"--resume keeps the run's own config; it cannot change "
+                         f"{', '.join('--' + k.replace('_', '-') for k in ignored)} (allowed with --resume: "
+                         f"--steps, --device, --threads)")
+    try:
+        saved = Config(**{**saved, **{k: getattr(cfg, k) for k in explicit}, "out": cfg.resume})
+    except TypeError as e:
+        raise ValueError(f"--resume {cfg.resume}: {run / 'config.json'} does not fit this train.py ({e})") from None
+    return saved
+
+
+def read_checkpoint(out: Path, device):
+    """-> (step, state dict, checkpoint folder) of the run's latest checkpoint, or None if it has none yet.
+    A checkpoint that cannot be read is a ValueError naming its file."""
+    if not (out / "latest").is_file():
+        return None
+    ck = out / (out / "latest").read_text().strip()
+    try:
+        state = torch.load(ck / "state.pt", map_location=device, weights_only=False)
+        step = int(state["step"])
+    except Exception as e:  # a damaged file is the user's input here: name it
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"--resume {out}: cannot read {ck / 'state.pt'} ({type(e).__name__}: {first})") from None
+    return step, state, ck
+
+
+def read_metrics(path: Path, upto: int) -> list[str]:
+    """The metrics lines of iterations 1..upto (a resumed run continues after them)."""
+    if not path.is_file():
+        raise ValueError(f"--resume {path.parent}: {path} is missing; its checkpoint is at iteration {upto}, but "
+                         f"resuming would leave no record of the iterations before it")
+    kept = []
+    for n, text in enumerate(path.read_text().splitlines(), 1):
+        if text.strip():
+            try:
+                step = json.loads(text)["step"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"--resume {path.parent}: {path} line {n} is not a metrics line") from None
+            if step <= upto:
+                kept.append(text)
+    return kept
+
+
 def save_checkpoint(out: Path, step: int, policy, tok, critic, opt, critic_opt, monitor, cfg: Config):
     """Write ckpt-STEP/ completely, then point `latest` at it atomically (temp file + rename)."""
     final = out / f"ckpt-{step:06d}"
@@ -357,16 +422,28 @@ PLOT_KEYS = [("rollout/reward_mean", "average reward"), ("rollout/in_group_std",
              ("eval/success", "eval success (95% CI)")]
 
 
-def plot_runs(run_dirs: list[str], out_png: str) -> str:
+def read_runs(run_dirs: list[str]) -> dict[str, list[dict]]:
+    """Each run folder's metrics lines; ValueError naming a folder or file that is not one."""
+    runs = {}
+    for run in run_dirs:
+        path = Path(run) / "metrics.jsonl"
+        if not path.is_file():
+            raise ValueError(f"--plot {run}: no metrics.jsonl in it (is it a run folder?)")
+        try:
+            runs[run] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        except (ValueError, OSError) as e:
+            raise ValueError(f"--plot {run}: {path} is not a metrics file ({e})") from None
+    return runs
+
+
+def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
+    runs = read_runs(run_dirs)
+    out_png = str(cli.writable_file(out_png or str(Path(run_dirs[0]) / "echo_trap.png"), "--plot-out"))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, len(PLOT_KEYS), figsize=(4 * len(PLOT_KEYS), 3.4))
-    for run in run_dirs:
-        path = Path(run) / "metrics.jsonl"
-        if not path.exists():
-            raise ValueError(f"--plot {run}: no metrics.jsonl in it (is it a run folder?)")
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    for run, rows in runs.items():
         cfg_path = Path(run) / "config.json"
         label = Path(run).name
         if cfg_path.exists():
@@ -393,76 +470,79 @@ def plot_runs(run_dirs: list[str], out_png: str) -> str:
 # ------------------------------------------------------------------------------------------- main
 
 def main(argv=None):
-    # ---- config
+    # ---- config: the flags (or, with --resume, the run's own config), all checked before anything is written
     try:
         cfg, explicit = cli.parse(Config, argv, description=__doc__.split("\n")[0], presets=PRESETS)
         if cfg.plot:
             print(plot_runs(cfg.plot, cfg.plot_out))
             return None
-        if cfg.resume:  # the run's own config, with only --steps/--out allowed to change
-            saved = json.loads((Path(cfg.resume) / "config.json").read_text())
-            steps = cfg.steps if "steps" in explicit else saved["steps"]
-            cfg = Config(**{**saved, "resume": cfg.resume, "steps": steps, "out": cfg.resume})
-        cfg = derive(cfg, explicit)
-    except (ValueError, FileNotFoundError) as e:
+        cfg = derive(resume_config(cfg, explicit) if cfg.resume else cfg, explicit)
+        out = Path(cfg.out) if cfg.resume else cli.run_folder(cfg.out, "--out", cfg.overwrite)
+        if cfg.webshop_data and cfg.env != "webshop":
+            raise ValueError(f"--webshop-data {cfg.webshop_data}: only for --env webshop (this run: --env {cfg.env})")
+    except ValueError as e:
         cli.fail(str(e))
     from policy import autocast_dtype, load_critic, load_policy, pick_device, set_cpu_threads
 
     # ---- processes: one under plain python; under torchrun one per GPU/CPU share, all with the whole model
+    # ---- model, reference, critic, optimizers, and the checkpoint to resume from: every input is read here
     try:
         device = dist.init(pick_device(cfg.device))
         if cfg.groups % dist.world_size():
             k = f" x --online-k {cfg.online_k}" if cfg.online_k > 1 else ""
             raise ValueError(f"--prompts {cfg.prompts}{k}: must be divisible by the number of processes "
                              f"({dist.world_size()}); a prompt group never splits across processes")
-    except ValueError as e:
-        cli.fail(str(e))
-    out = Path(cfg.out)
-    if dist.is_main():  # only rank 0 writes the run folder
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-        print("config:", json.dumps(asdict(cfg)))
-
-    # ---- model, reference, critic, optimizers
-    try:
         set_cpu_threads(device, cfg.threads)
         with dist.main_first():  # rank 0 builds (tiny) or downloads the model into the cache, then the others load
             policy, tok, path = load_policy(cfg.model, device)
-        env_overrides = {"data_dir": cfg.webshop_data} if (cfg.webshop_data and cfg.env == "webshop") else {}
+        positions = getattr(policy.config, "max_position_embeddings", None)
+        if positions is not None and cfg.max_new_tokens >= positions:
+            raise ValueError(f"--max-new-tokens {cfg.max_new_tokens}: the model reads at most {positions} positions")
+        env_overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
         ENVS[cfg.env](**env_overrides)  # fail now, not mid-run, on a bad env override
+        critic = load_critic(path, device) if cfg.algo == "ppo" else None
+        ref = copy.deepcopy(policy).eval().requires_grad_(False)  # the initial policy: KL anchor and monitor
+        found = read_checkpoint(out, device) if cfg.resume else None
+        if found:
+            start, state, ck = found
+            kept_metrics = read_metrics(out / "metrics.jsonl", start) if dist.is_main() else []
+            policy.load_state_dict(load_policy(str(ck / "policy"), device, progress=False,
+                                               flag_name=f"--resume {out}")[0].state_dict())
+            if critic is not None:
+                critic.load_state_dict(load_critic(str(ck / "critic"), device).state_dict())
     except ValueError as e:
         cli.fail(str(e))
     amp = autocast_dtype(device)
-    ref = copy.deepcopy(policy).eval().requires_grad_(False)  # the initial policy: KL anchor and monitor
-    critic = load_critic(path, device) if cfg.algo == "ppo" else None
     opt = make_optimizer(policy, cfg.lr)
     critic_opt = make_optimizer(critic, cfg.critic_lr) if critic is not None else None
+    monitor, start = EchoMonitor(), 0
+    if found:
+        opt.load_state_dict(state["opt"])
+        if critic is not None:
+            critic_opt.load_state_dict(state["critic_opt"])
+        monitor, start = EchoMonitor(**state["monitor"]), state["step"]
     ucfg = UpdateConfig(mini_batch=cfg.mini_batch, micro_batch=cfg.micro_batch, clip_low=cfg.clip_low,
                         clip_high=cfg.clip_high, entropy_coef=cfg.entropy_coef, agg=cfg.loss_agg,
                         kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef,  # in the rewards instead: measured only
                         kl_kind=cfg.kl_kind, temperature=cfg.temperature, fused=cfg.fused)
     train_rcfg, eval_rcfg = rollout_config(cfg, cfg.temperature), rollout_config(cfg, cfg.eval_temperature)
-    monitor, start = EchoMonitor(), 0
 
-    # ---- resume
+    # ---- the run folder, written from here on (rank 0 only)
     metrics_path = out / "metrics.jsonl"
-    latest = dist.broadcast_object((out / "latest").read_text().strip()  # rank 0 says which; every rank loads it
-                                   if dist.is_main() and cfg.resume and (out / "latest").exists() else None)
-    if latest:
-        ck = out / latest
-        state = torch.load(ck / "state.pt", map_location=device, weights_only=False)
-        policy.load_state_dict(load_policy(str(ck / "policy"), device, progress=False)[0].state_dict())
-        opt.load_state_dict(state["opt"])
-        if critic is not None:
-            critic.load_state_dict(load_critic(str(ck / "critic"), device).state_dict())
-            critic_opt.load_state_dict(state["critic_opt"])
-        monitor, start = EchoMonitor(**state["monitor"]), state["step"]
-        if dist.is_main():
-            kept = [l for l in metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= start]
-            metrics_path.write_text("".join(l + "\n" for l in kept))  # drop lines after the checkpoint
+    if dist.is_main():
+        if cfg.overwrite and not cfg.resume and out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        for old in out.glob("trajectories-*.txt"):  # dumps of iterations after the checkpoint are rewritten
+            if int(old.stem.split("-")[1]) > start:
+                old.unlink()
+        metrics_path.write_text("".join(line + "\n" for line in kept_metrics) if found else "")
+        print("config:", json.dumps(asdict(cfg)))
+        if found:
             print(f"resumed from {ck} at iteration {start}")
-    elif not cfg.resume and dist.is_main():
-        metrics_path.write_text("")
+        elif cfg.resume:
+            print(f"no checkpoint in {out} yet: starting the run afresh")
     # DDP averages the ranks' gradients; it must wrap the module whose forward `update` calls: TokenLogprobs (see
     # starpo.py), not the HF model, whose backbone and head the fused path reaches directly. Without torchrun
     # both are the plain modules. Rollouts, eval and checkpoints keep using `policy` and `critic` themselves.
@@ -472,94 +552,108 @@ def main(argv=None):
     from tqdm import tqdm
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="StarPO", dynamic_ncols=True,
                disable=not dist.is_main())
-    stop_reason = None
-    for it in bar:
-        t0 = time.time()
-        m: dict = {"step": it + 1}
-        # sampling stream of (seed, iteration, rank); rank 0's is the single-process one (deviation 7)
-        gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + it + (dist.rank() << 40))
+    stop_reason, saved_at = None, start if found else 0
+    try:
+        for it in bar:
+            t0 = time.time()
+            m: dict = {"step": it + 1}
+            diverged = False
+            # sampling stream of (seed, iteration, rank); rank 0's is the single-process one (deviation 7)
+            gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + it + (dist.rank() << 40))
 
-        # 1. rollouts: P prompts x N rollouts (x online_k), every rollout of a prompt shares its initial state (a
-        #    group) and, with --group-noise shared, its luck. Each rank rolls out its whole groups `mine` (all in
-        #    one process); then every rank holds all of them.
-        seeds = train_seeds(np.random.default_rng([cfg.seed, it]), cfg.groups)
-        mine = dist.my_range(cfg.groups)
-        policy.eval()
-        trajs = rollout(cfg.env, [seeds[g] for g in mine for _ in range(cfg.rollouts)],
-                        [g for g in mine for _ in range(cfg.rollouts)], train_rcfg, tokenizer=tok, model=policy,
-                        generator=gen, env_overrides=env_overrides,
-                        samples=group_samples(cfg.group_noise, len(mine), cfg.rollouts))
-        trajs = dist.all_gather_objects(trajs)  # group order, every rank: the filter below ranks ALL groups
-        rewards = torch.tensor([t.reward for t in trajs]).view(cfg.groups, cfg.rollouts)  # [G, N]
-        s = summarize(trajs)
-        m.update({f"rollout/{k}": s[k] for k in ("success", "num_actions", "valid_action", "effective_action",
-                                                 "format", "turns", "response_length")})
-        m.update({"rollout/reward_mean": s["reward"], "rollout/reward_std": rewards.std().item(),
-                  "time/rollout": time.time() - t0})
+            # 1. rollouts: P prompts x N rollouts (x online_k), every rollout of a prompt shares its initial state (a
+            #    group) and, with --group-noise shared, its luck. Each rank rolls out its whole groups `mine` (all in
+            #    one process); then every rank holds all of them.
+            seeds = train_seeds(np.random.default_rng([cfg.seed, it]), cfg.groups)
+            mine = dist.my_range(cfg.groups)
+            policy.eval()
+            trajs = rollout(cfg.env, [seeds[g] for g in mine for _ in range(cfg.rollouts)],
+                            [g for g in mine for _ in range(cfg.rollouts)], train_rcfg, tokenizer=tok, model=policy,
+                            generator=gen, env_overrides=env_overrides,
+                            samples=group_samples(cfg.group_noise, len(mine), cfg.rollouts))
+            trajs = dist.all_gather_objects(trajs)  # group order, every rank: the filter below ranks ALL groups
+            rewards = torch.tensor([t.reward for t in trajs]).view(cfg.groups, cfg.rollouts)  # [G, N]
+            s = summarize(trajs)
+            m.update({f"rollout/{k}": s[k] for k in ("success", "num_actions", "valid_action", "effective_action",
+                                                     "format", "turns", "truncated", "response_length")})
+            m.update({"rollout/reward_mean": s["reward"], "rollout/reward_std": rewards.std().item(),
+                      "time/rollout": time.time() - t0})
 
-        # 2. StarPO-S uncertainty filter: whole groups in or out by in-group reward std
-        keep, fstats = select_groups(rewards, keep=cfg.filter, largest=not cfg.filter_smallest)
-        m.update({f"rollout/{k}": fstats[k] for k in ("in_group_std", "in_group_std_max", "chosen_in_group_std",
-                                                      "filter_kept", "zero_std_groups")})
-        kept = [t for t in trajs if keep[t.group_id]]
-        # With every group's rewards equal, GRPO's advantages are all 0: the update would be a silent no-op, so it
-        # is skipped and logged. PPO's are R - V(s): its policy, entropy bonus and critic still learn.
-        skip = fstats["all_zero_std"] and cfg.algo == "grpo"
-        m["train/skipped_zero_std"] = float(skip)
+            # 2. StarPO-S uncertainty filter: whole groups in or out by in-group reward std
+            keep, fstats = select_groups(rewards, keep=cfg.filter, largest=not cfg.filter_smallest)
+            m.update({f"rollout/{k}": fstats[k] for k in ("in_group_std", "in_group_std_max", "chosen_in_group_std",
+                                                          "filter_kept", "zero_std_groups")})
+            kept = [t for t in trajs if keep[t.group_id]]
+            # With every group's rewards equal, GRPO's advantages are all 0: the update would be a silent no-op, so it
+            # is skipped and logged. PPO's are R - V(s): its policy, entropy bonus and critic still learn.
+            skip = fstats["all_zero_std"] and cfg.algo == "grpo"
+            m["train/skipped_zero_std"] = float(skip)
 
-        if not skip:
-            # 3. the batch: old and reference log-probs, values, advantages (no grad)
-            t1 = time.time()
-            batch, pm = prepare_batch(kept, cfg, policy, ref, critic, tok.pad_token_id, device, amp,
-                                      on_eval=evaluates(cfg, it))
-            m.update(pm)
-            m["time/prep"] = time.time() - t1
+            if not skip:
+                # 3. the batch: old and reference log-probs, values, advantages (no grad)
+                t1 = time.time()
+                batch, pm = prepare_batch(kept, cfg, policy, ref, critic, tok.pad_token_id, device, amp,
+                                          on_eval=evaluates(cfg, it))
+                m.update(pm)
+                m["time/prep"] = time.time() - t1
 
-            # 4. update: ppo_epochs passes over the batch, in mini-batches. The shuffle is the same on every rank
-            #    (the same mini-batches); each rank trains its rows of each one, DDP sums them (starpo.update)
-            t2 = time.time()
-            policy.train()
-            if critic is not None:
-                critic.train()
-            passes = [update(train_policy, opt, batch, ucfg, critic=train_critic, critic_optimizer=critic_opt,
-                             generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + it * 101 + k),
-                             autocast_dtype=amp, shard=(dist.rank(), dist.world_size()))
-                      for k in range(cfg.ppo_epochs)]
-            counts = ("train/optimizer_steps", "train/skipped_nonfinite")  # summed over passes, the rest averaged
-            m.update({k: (sum if k in counts else statistics.fmean)([p[k] for p in passes]) for k in passes[0]})
-            m["train/rows"] = len(batch)
-            m["time/update"] = time.time() - t2
-        elif dist.is_main():
-            tqdm.write(f"[iter {it + 1}] every group has zero reward std: update skipped (logged)")
+                # 4. update: ppo_epochs passes over the batch, in mini-batches. The shuffle is the same on every rank
+                #    (the same mini-batches); each rank trains its rows of each one, DDP sums them (starpo.update)
+                t2 = time.time()
+                policy.train()
+                if critic is not None:
+                    critic.train()
+                passes = [update(train_policy, opt, batch, ucfg, critic=train_critic, critic_optimizer=critic_opt,
+                                 generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + it * 101 + k),
+                                 autocast_dtype=amp, shard=(dist.rank(), dist.world_size()))
+                          for k in range(cfg.ppo_epochs)]
+                counts = ("train/optimizer_steps", "train/skipped_nonfinite")  # summed over passes, the rest averaged
+                m.update({k: (sum if k in counts else statistics.fmean)([p[k] for p in passes]) for k in passes[0]})
+                m["train/rows"] = len(batch)
+                m["time/update"] = time.time() - t2
+                # an update that makes the weights non-finite (e.g. a far too high --lr) ends the run, logged first
+                diverged = not bool(torch.stack([torch.isfinite(p).all() for p in policy.parameters()]).all())
+            elif dist.is_main():
+                tqdm.write(f"[iter {it + 1}] every group has zero reward std: update skipped (logged)")
 
-        # 5. Echo Trap monitor, eval, checkpoint, log: rank 0 only (its metrics are the global ones)
-        if dist.is_main():
-            warnings = echo_check(monitor, m)
-            m["echo/warnings"] = len(warnings)
-            for w in warnings:
-                tqdm.write(f"[iter {it + 1}] ECHO TRAP WARNING: {w}")
-            if cfg.stop_on_collapse and warnings:
-                stop_reason = warnings[0]
-            last = it + 1 == cfg.steps or stop_reason is not None
-            if evaluates(cfg, it) or last:
-                t3 = time.time()
-                em, etrajs = evaluate(cfg.env, eval_rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
-                                      env_overrides=env_overrides)
-                m.update({f"eval/{k}": v for k, v in em.items() if k != "episodes"})
-                m["time/eval"] = time.time() - t3
-                with open(out / f"trajectories-{it + 1:06d}.txt", "w") as f:
-                    f.write("".join(dump(t, tok) + "\n" for t in etrajs[:cfg.dump_trajectories]))
-            m["time/iteration"] = time.time() - t0
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(m) + "\n")
-            if cfg.save_every and ((it + 1) % cfg.save_every == 0 or last):
-                save_checkpoint(out, it + 1, policy, tok, critic, opt, critic_opt, monitor, cfg)
-            tqdm.write(line(m))
-        stop_reason = dist.broadcast_object(stop_reason)  # rank 0 decides; the others wait here meanwhile
-        if stop_reason:
+            # 5. Echo Trap monitor, eval, checkpoint, log: rank 0 only (its metrics are the global ones)
             if dist.is_main():
-                tqdm.write(f"stopping on collapse (--stop-on-collapse): {stop_reason}")
-            break
+                warnings = echo_check(monitor, m)
+                m["echo/warnings"] = len(warnings)
+                for w in warnings:
+                    tqdm.write(f"[iter {it + 1}] ECHO TRAP WARNING: {w}")
+                if cfg.stop_on_collapse and warnings:
+                    stop_reason = warnings[0]
+                last = it + 1 == cfg.steps or stop_reason is not None
+                if (evaluates(cfg, it) or last) and not diverged:
+                    t3 = time.time()
+                    em, etrajs = evaluate(cfg.env, eval_rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
+                                          env_overrides=env_overrides)
+                    m.update({f"eval/{k}": v for k, v in em.items() if k != "episodes"})
+                    m["time/eval"] = time.time() - t3
+                    with open(out / f"trajectories-{it + 1:06d}.txt", "w") as f:
+                        f.write("".join(dump(t, tok) + "\n" for t in etrajs[:cfg.dump_trajectories]))
+                m["time/iteration"] = time.time() - t0
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(m) + "\n")
+                if cfg.save_every and ((it + 1) % cfg.save_every == 0 or last) and not diverged:
+                    save_checkpoint(out, it + 1, policy, tok, critic, opt, critic_opt, monitor, cfg)
+                    saved_at = it + 1
+                tqdm.write(line(m))
+            if diverged:
+                where = f"{out}/ckpt-{saved_at:06d}" if saved_at else "none"
+                cli.fail(f"iteration {it + 1}: the update made the policy's weights non-finite (--lr {cfg.lr} is "
+                         f"too high?); its metrics are logged, the last checkpoint is {where}", code=1)
+            stop_reason = dist.broadcast_object(stop_reason)  # rank 0 decides; the others wait here meanwhile
+            if stop_reason:
+                if dist.is_main():
+                    tqdm.write(f"stopping on collapse (--stop-on-collapse): {stop_reason}")
+                break
+    except KeyboardInterrupt:
+        bar.close()
+        where = f"iteration {saved_at}" if saved_at else "none yet"
+        raise KeyboardInterrupt(f"at iteration {it + 1} (last checkpoint: {where}); continue with: python train.py "
+                                f"--resume {out}") from None
     bar.close()
     if dist.world_size() > 1:  # a DDP mistake shows as replicas drifting apart: check once, bitwise
         digest = dist.assert_in_sync(policy, critic)
@@ -584,4 +678,4 @@ def line(m: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

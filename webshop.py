@@ -75,7 +75,6 @@ Deliberate deviations from WebShop / RAGEN:
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import difflib
 import functools
@@ -462,17 +461,18 @@ def read_files(data_dir: str):
     """-> (products, attributes, human_instructions, reviews) as stored in the original JSON files."""
     if not os.path.isdir(data_dir):
         raise ValueError(f"webshop data_dir {data_dir!r} is not a directory")
-    with open(_first_existing(data_dir, PRODUCT_FILES)) as f:
-        products = json.load(f)
-    with open(_first_existing(data_dir, ATTRIBUTE_FILES)) as f:
-        attributes = json.load(f)
-    with open(_first_existing(data_dir, (HUMAN_FILE,))) as f:
-        human = json.load(f)
-    reviews = []
-    if os.path.exists(os.path.join(data_dir, REVIEW_FILE)):
-        with open(os.path.join(data_dir, REVIEW_FILE)) as f:
-            reviews = json.load(f)
-    return products, attributes, human, reviews
+    paths = [_first_existing(data_dir, names) for names in (PRODUCT_FILES, ATTRIBUTE_FILES, (HUMAN_FILE,))]
+    review = os.path.join(data_dir, REVIEW_FILE)
+    loaded = [_read_json(p) for p in paths] + [_read_json(review) if os.path.exists(review) else []]
+    return tuple(loaded)
+
+
+def _read_json(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"webshop data file {path}: cannot be read as JSON ({e})") from None
 
 
 def _parse_pricing(pricing) -> tuple[list[float], str]:
@@ -939,49 +939,41 @@ class WebShopEnv:
         return sorted(words)
 
 
-# ----------------------------------------------------------------------------- baselines and CLI
-
-def run_policy(policy: str, seeds, max_actions: int = RAGEN_BUDGET["max_actions"], policy_seed: int = 0,
-               **overrides) -> dict:
-    """Success rate, mean reward and mean actions of 'random' or 'expert' within max_actions actions.
-    random: each action uniform over env.available_actions() (every clickable; on the search page one of
-    ten random-word searches)."""
-    if policy not in ("random", "expert"):
-        raise ValueError(f"policy={policy!r}: allowed 'random' or 'expert'")
-    rng = random.Random(policy_seed)
-    env = WebShopEnv(**overrides)
-    wins, bought, total, n_actions, seeds = 0, 0, 0.0, 0, list(seeds)
-    for s in seeds:
-        env.reset(s)
-        r, info = 0.0, {"success": False}
-        for _ in range(max_actions):
-            a = env.expert_action() if policy == "expert" else rng.choice(env.available_actions())
-            _, r, done, info = env.step(a)
-            n_actions += 1
-            if done:
-                break
-        wins += int(info["success"])
-        bought += int(env.done)
-        total += r
-    n = max(1, len(seeds))
-    return {"success": wins / n, "mean_reward": total / n, "bought": bought / n, "mean_actions": n_actions / n}
-
+# ----------------------------------------------------------------------------- CLI
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="WebShop environment: write the catalogue or run baselines.")
-    ap.add_argument("--write-catalogue", metavar="DIR", help="write the generated catalogue's JSON files")
-    ap.add_argument("--baselines", action="store_true", help="random and expert on the 256 eval seeds")
-    ap.add_argument("--data-dir", default=None, help="original WebShop files (default: generated)")
-    ap.add_argument("--num-products", type=int, default=None)
-    ap.add_argument("--max-actions", type=int, default=RAGEN_BUDGET["max_actions"])
-    ap.add_argument("--play", type=int, metavar="SEED", help="print the expert's episode for one seed")
+    import cli
+    ap = cli.Parser(description="WebShop environment: write the generated catalogue as the original files, or "
+                                "print the expert's episode for one goal. (Baselines: python eval.py --env webshop "
+                                "--policy expert|random --max-turns 9 --max-actions-per-turn 1 --max-actions 9)")
+    ap.add_argument("--write-catalogue", metavar="DIR", help="write the generated catalogue's JSON files into DIR")
+    ap.add_argument("--play", type=int, metavar="SEED", help="print the expert's episode for one seed (>= 0)")
+    ap.add_argument("--data-dir", default=None, help="original WebShop files (default: the generated catalogue)")
+    ap.add_argument("--num-products", type=int, default=None, help="products to load (generated: 1..999)")
+    ap.add_argument("--max-actions", type=int, default=RAGEN_BUDGET["max_actions"],
+                    help=f"actions of --play (RAGEN: {RAGEN_BUDGET['max_actions']})")
     args = ap.parse_args(argv)
-    over = {"data_dir": args.data_dir, "num_products": args.num_products}
-    if args.write_catalogue:
+    if args.write_catalogue is None and args.play is None:
+        ap.print_help()
+        return
+    try:
+        cli.check([(args.play is None or args.play >= 0, f"--play {args.play}: must be >= 0"),
+                   (args.max_actions >= 1, f"--max-actions {args.max_actions}: must be >= 1")])
+        if args.write_catalogue is not None:
+            names = ("items_shuffle.json", "items_ins_v2.json", HUMAN_FILE, REVIEW_FILE)
+            there = [n for n in names if os.path.exists(os.path.join(args.write_catalogue, n))]
+            cli.check([(not os.path.exists(args.write_catalogue) or os.path.isdir(args.write_catalogue),
+                        f"--write-catalogue {args.write_catalogue}: exists and is not a folder"),
+                       (not there, f"--write-catalogue {args.write_catalogue}: {', '.join(there)} already there; "
+                                   f"choose another folder (nothing is overwritten)")])
+            cli.run_folder(args.write_catalogue, "--write-catalogue", overwrite=False)
+        env = WebShopEnv(data_dir=args.data_dir, num_products=args.num_products) if args.play is not None else None
+    except ValueError as e:
+        cli.fail(str(e).replace("webshop data_dir", "--data-dir").replace("webshop num_products=", "--num-products "))
+    if args.write_catalogue is not None:
         for path in write_catalogue(args.write_catalogue, args.num_products or DEFAULT_NUM_PRODUCTS):
             print("wrote", path)
-    if args.play is not None:
-        env = WebShopEnv(**over)
+    if env is not None:
         print(env.reset(args.play))
         for _ in range(args.max_actions):
             a = env.expert_action()
@@ -989,13 +981,8 @@ def main(argv=None):
             print(f"\n> {a}  (reward {r:.2f})\n{obs}")
             if done:
                 break
-    if args.baselines:
-        for pol in ("random", "expert"):
-            res = run_policy(pol, EVAL_SEEDS, args.max_actions, **over)
-            print(f"{pol:6s} on {len(EVAL_SEEDS)} eval goals, <= {args.max_actions} actions: "
-                  f"success {res['success']:.3f}, mean reward {res['mean_reward']:.3f}, "
-                  f"bought {res['bought']:.3f}, mean actions {res['mean_actions']:.2f}")
 
 
 if __name__ == "__main__":
-    main()
+    import cli
+    cli.run(main)

@@ -218,9 +218,12 @@ def test_hf_loading_path_on_saved_qwen2(tmp_path):
         assert sum(seg.loss_mask) == sum(t.response_tokens for t in traj.turns)
 
 
-def test_load_policy_errors(tmp_path):
-    with pytest.raises(ValueError, match="allowed"):
+def test_load_policy_errors(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="no such folder"):
         policy.load_policy(str(tmp_path / "no-such-model"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # offline and not cached: fails at once, says what to do
+    with pytest.raises(ValueError, match="download it first"):
+        policy.load_policy("nobody-has/this-model")
     _qwen_like_folder(tmp_path)
     cfg_file = tmp_path / "tokenizer_config.json"
     cfg = json.loads(cfg_file.read_text())
