@@ -174,6 +174,6 @@ def run(main) -> None:
     try:
         main()
     except KeyboardInterrupt as e:
-        detail = f": {e}" if str(e) else ""
+        detail = f" {e}" if str(e) else ""
         print(f"{Path(sys.argv[0]).name}: interrupted{detail}", file=sys.stderr)
         raise SystemExit(130) from None

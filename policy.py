@@ -92,8 +92,11 @@ def set_cpu_threads(device: torch.device, threads: int = 1) -> None:
 
 
 def _from_pretrained(cls, path, **kw):
-    """fp32 weights on transformers 4.x (`torch_dtype`) and 5.x (`dtype`, whose default is the checkpoint's)."""
+    """fp32 weights on transformers 4.x (`torch_dtype`) and 5.x (`dtype`, whose default is the checkpoint's).
+    transformers 5's per-load progress bars are switched off: they said nothing for models that load in a second,
+    and they buried the scripts' one-line messages."""
     import transformers
+    transformers.utils.logging.disable_progress_bar()
     key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     return cls.from_pretrained(path, **{key: torch.float32}, **kw)
 

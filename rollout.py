@@ -417,6 +417,8 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     for step in range(max_new_tokens):
         sel = torch.tensor(live, device=device)
         logits = head(hidden[sel]).float()                              # [b, V], live positions only
+        if step == 0 and not bool(torch.isfinite(logits).all()):  # one check per reply: diverged weights
+            raise FloatingPointError("the policy's logits are not finite: its weights have diverged")
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=generator)      # [b, 1]

@@ -557,7 +557,7 @@ def main(argv=None):
         for it in bar:
             t0 = time.time()
             m: dict = {"step": it + 1}
-            diverged = False
+            diverged = None  # why the policy can no longer be trained, if it cannot
             # sampling stream of (seed, iteration, rank); rank 0's is the single-process one (deviation 7)
             gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + it + (dist.rank() << 40))
 
@@ -612,7 +612,8 @@ def main(argv=None):
                 m["train/rows"] = len(batch)
                 m["time/update"] = time.time() - t2
                 # an update that makes the weights non-finite (e.g. a far too high --lr) ends the run, logged first
-                diverged = not bool(torch.stack([torch.isfinite(p).all() for p in policy.parameters()]).all())
+                if not bool(torch.stack([torch.isfinite(p).all() for p in policy.parameters()]).all()):
+                    diverged = "the update made the policy's weights non-finite"
             elif dist.is_main():
                 tqdm.write(f"[iter {it + 1}] every group has zero reward std: update skipped (logged)")
 
@@ -627,12 +628,15 @@ def main(argv=None):
                 last = it + 1 == cfg.steps or stop_reason is not None
                 if (evaluates(cfg, it) or last) and not diverged:
                     t3 = time.time()
-                    em, etrajs = evaluate(cfg.env, eval_rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
-                                          env_overrides=env_overrides)
-                    m.update({f"eval/{k}": v for k, v in em.items() if k != "episodes"})
-                    m["time/eval"] = time.time() - t3
-                    with open(out / f"trajectories-{it + 1:06d}.txt", "w") as f:
-                        f.write("".join(dump(t, tok) + "\n" for t in etrajs[:cfg.dump_trajectories]))
+                    try:
+                        em, etrajs = evaluate(cfg.env, eval_rcfg, policy, tok, prompts=cfg.eval_prompts,
+                                              seed=cfg.seed, env_overrides=env_overrides)
+                        m.update({f"eval/{k}": v for k, v in em.items() if k != "episodes"})
+                        m["time/eval"] = time.time() - t3
+                        with open(out / f"trajectories-{it + 1:06d}.txt", "w") as f:
+                            f.write("".join(dump(t, tok) + "\n" for t in etrajs[:cfg.dump_trajectories]))
+                    except FloatingPointError as e:  # the line of this iteration is still written below
+                        diverged = str(e)
                 m["time/iteration"] = time.time() - t0
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(m) + "\n")
@@ -641,14 +645,16 @@ def main(argv=None):
                     saved_at = it + 1
                 tqdm.write(line(m))
             if diverged:
-                where = f"{out}/ckpt-{saved_at:06d}" if saved_at else "none"
-                cli.fail(f"iteration {it + 1}: the update made the policy's weights non-finite (--lr {cfg.lr} is "
-                         f"too high?); its metrics are logged, the last checkpoint is {where}", code=1)
+                raise FloatingPointError(diverged)
             stop_reason = dist.broadcast_object(stop_reason)  # rank 0 decides; the others wait here meanwhile
             if stop_reason:
                 if dist.is_main():
                     tqdm.write(f"stopping on collapse (--stop-on-collapse): {stop_reason}")
                 break
+    except FloatingPointError as e:  # a diverged policy can no longer sample; every logged line is kept
+        where = f"{out}/ckpt-{saved_at:06d}" if saved_at else "none"
+        cli.fail(f"iteration {it + 1}: {e} (--lr {cfg.lr} is too high?); the metrics so far are in {metrics_path}, "
+                 f"the last checkpoint: {where}", code=1)
     except KeyboardInterrupt:
         bar.close()
         where = f"iteration {saved_at}" if saved_at else "none yet"

@@ -325,6 +325,23 @@ def test_budgets_are_never_exceeded(small):
     assert len(tr.turns) == 3 and tr.num_actions == 0 and tr.reward == pytest.approx(-0.3)
 
 
+def test_an_episode_ends_before_it_outgrows_the_models_positions(small):
+    """With budgets that would run past the positions a model reads, each episode stops before the turn whose
+    prompt + reply budget does not fit (Trajectory.truncated, counted by eval.summarize), never past it."""
+    model, tok = small
+    model = copy.deepcopy(model)
+    model.config.max_position_embeddings = 420
+    cfg = R.RolloutConfig(max_turns=50, max_actions=500, max_new_tokens=40)
+    trajs = R.rollout("sokoban", SEEDS[:6], list(range(6)), cfg, tokenizer=tok, model=model,
+                      generator=torch.Generator().manual_seed(0))
+    assert any(t.truncated for t in trajs)
+    for t in trajs:
+        assert len(t.segments[0].input_ids) <= 420
+        assert t.truncated or t.done or len(t.turns) == 50
+    from eval import summarize
+    assert summarize(trajs)["truncated"] == sum(t.truncated for t in trajs) / 6
+
+
 # ----------------------------------------------------------------------------- history window
 
 @pytest.mark.parametrize("K", [1, 2])

@@ -1,0 +1,218 @@
+"""Bad input, as a new user types it, to every entry script: one error line, exit code 2, nothing lost.
+
+    python -m pytest -q tests/test_bad_inputs.py      (about a minute on one core)
+
+One table of cases (script, flags, what the error line must name). Each case runs the script's main() in
+this process and asserts: exit code 2, exactly one line on stderr and it is the error (no traceback, no usage
+block), the flag (or file) named in it; and, where the case points at an existing run, that every file of that
+run is byte-identical afterwards. A few subprocess runs check the parts a main() call cannot show: Ctrl-C (exit
+130 and the command that resumes), a script's own `__main__`, webshop.py without arguments.
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import bench  # noqa: E402
+import eval as eval_py  # noqa: E402
+import sft_baseline  # noqa: E402
+import train  # noqa: E402
+import webshop  # noqa: E402
+
+SCRIPTS = {"train": train, "eval": eval_py, "sft": sft_baseline, "webshop": webshop, "bench": bench}
+
+
+@pytest.fixture(scope="module")
+def base_run(bandit_tiny, tmp_path_factory) -> Path:
+    """A real, finished 2-iteration run with checkpoints (every file a bad input must leave alone)."""
+    out = tmp_path_factory.mktemp("runs") / "run"
+    train.main(["--env", "bandit", "--no-think", "--model", bandit_tiny, "--steps", "2", "--prompts", "4",
+                "--rollouts", "4", "--eval-every", "0", "--eval-prompts", "2", "--save-every", "1",
+                "--out", str(out)])
+    return out
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def damaged(base: Path, tmp: Path, damage: str) -> Path:
+    """A copy of the run with one thing wrong with it."""
+    run = tmp / "damaged"
+    shutil.copytree(base, run)
+    if damage == "config-json":
+        (run / "config.json").write_text('{"env": "bandit", ')
+    elif damage == "config-key":
+        cfg = json.loads((run / "config.json").read_text())
+        (run / "config.json").write_text(json.dumps({**cfg, "learning_rate_typo": 1.0}))
+    elif damage == "state":
+        state = run / (run / "latest").read_text().strip() / "state.pt"
+        state.write_bytes(state.read_bytes()[:100])
+    elif damage == "metrics":
+        (run / "metrics.jsonl").unlink()
+    elif damage == "no-checkpoint":  # a run killed before its first checkpoint and before final/
+        for p in list(run.glob("ckpt-*")) + [run / "final"]:
+            shutil.rmtree(p)
+        (run / "latest").unlink()
+    return run
+
+
+# (script, flags; RUN = the run (or its damaged copy), MODEL = the small tiny build, TMP = a fresh folder),
+# what the error line must contain, the damage done to the run first (None: the run is untouched too)
+CASES = [
+    ("train", ["--steps", "x"], "--steps", None),
+    ("train", ["--lr", "inf"], "--lr", None),
+    ("train", ["--lr", "nan"], "--lr", None),
+    ("train", ["--lr", "-1"], "--lr -1.0", None),
+    ("train", ["--filter", "1.5"], "--filter 1.5", None),
+    ("train", ["--algo", "dpo"], "--algo", None),
+    ("train", ["--eval-prompts", "300"], "--eval-prompts 300", None),
+    ("train", ["--seed", str(2 ** 70)], "--seed", None),
+    ("train", ["--seed", "-1"], "--seed -1", None),
+    ("train", ["--max-turns", "0"], "--max-turns 0", None),
+    ("train", ["--max-new-tokens", "0"], "--max-new-tokens 0", None),
+    ("train", ["--model", "MODEL", "--max-new-tokens", "5000", "--out", "TMP/r"], "positions", None),
+    ("train", ["--clip-low", "1.0"], "--clip-low 1.0", None),
+    ("train", ["--gamma", "2"], "--gamma 2.0", None),
+    ("train", ["--rollouts", "1"], "--rollouts 1", None),
+    ("train", ["--kl-in-reward", "--algo", "grpo"], "--kl-in-reward", None),
+    ("train", ["--eval-every", "-1"], "--eval-every -1", None),
+    ("train", ["--model", "/nonexistent/folder"], "no such folder", None),
+    ("train", ["--model", "nobody-has/this-model"], "download it first", None),
+    ("train", ["--device", "cuda:x"], "--device", None),
+    ("train", ["--out", ""], "--out ''", None),
+    ("train", ["--out", "TMP/afile/run"], "is a file", None),
+    ("train", ["--out", "RUN"], "--overwrite", "untouched"),
+    ("train", ["--webshop-data", "TMP", "--env", "sokoban"], "--webshop-data", None),
+    ("train", ["--resume", "RUN", "--env", "sokoban"], "--env", "untouched"),
+    ("train", ["--resume", "RUN", "--overwrite"], "--overwrite", "untouched"),
+    ("train", ["--resume", "TMP/none"], "--resume", None),
+    ("train", ["--resume", "RUN"], "not valid JSON", "config-json"),
+    ("train", ["--resume", "RUN"], "learning_rate_typo", "config-key"),
+    ("train", ["--resume", "RUN"], "state.pt", "state"),
+    ("train", ["--resume", "RUN"], "metrics.jsonl", "metrics"),
+    ("train", ["--plot", "TMP/none"], "--plot", None),
+    ("train", ["--plot", "RUN", "--plot-out", "TMP/none/x.png"], "--plot-out", "untouched"),
+    ("train", ["--model", "TMP/broken-model", "--out", "TMP/r"], "cannot load", None),
+    ("eval", ["--policy", "/nonexistent/folder"], "--policy", None),
+    ("eval", ["--envs", "sokoban,chess"], "chess", None),
+    ("eval", ["--prompts", "0"], "--prompts 0", None),
+    ("eval", ["--policy", "random", "--max-turns", "0"], "--max-turns 0", None),
+    ("eval", ["--temperature", "-1"], "--temperature -1.0", None),
+    ("eval", ["--temperature", "inf"], "--temperature", None),
+    ("eval", ["--policy", "random", "--json", "TMP/none/x.json"], "--json", None),
+    ("eval", ["--policy", "random", "--webshop-data", "TMP"], "--webshop-data", None),
+    ("eval", ["--policy", "RUN", "--env", "bandit"], "neither final", "no-checkpoint"),
+    ("eval", ["--policy", "TMP/broken-model"], "cannot load", None),
+    ("sft", ["--lora-rank", "-1"], "--lora-rank -1", None),
+    ("sft", ["--adam-beta2", "1.0"], "--adam-beta2 1.0", None),
+    ("sft", ["--epochs", "0"], "--epochs 0", None),
+    ("sft", ["--expert-actions", "9"], "--expert-actions 9", None),
+    ("sft", ["--out", "RUN"], "--overwrite", "untouched"),
+    ("webshop", ["--play", "-3"], "--play -3", None),
+    ("webshop", ["--write-catalogue", "TMP/afile"], "not a folder", None),
+    ("webshop", ["--play", "1", "--num-products", "0"], "--num-products", None),
+    ("webshop", ["--play", "1", "--data-dir", "TMP/none"], "--data-dir", None),
+    ("webshop", ["--max-actions", "x"], "--max-actions", None),
+    ("bench", ["nosuch"], "nosuch", None),
+    ("bench", ["rollout", "--repeats", "0"], "--repeats 0", None),
+    ("bench", ["gpu", "--gpu-filter", "2"], "--gpu-filter 2.0", None),
+    ("bench", ["--device", "tpu"], "--device", None),
+]
+
+
+@pytest.mark.parametrize("script, args, needle, damage", CASES,
+                         ids=[f"{c[0]} {' '.join(c[1])}"[:60] for c in CASES])
+def test_bad_input_is_one_line_and_loses_nothing(script, args, needle, damage, base_run, bandit_tiny, tmp_path,
+                                                 capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)  # a default run folder (runs/...) would land here, never in the repository
+    (tmp_path / "afile").write_text("not a folder")
+    broken = tmp_path / "broken-model"
+    shutil.copytree(bandit_tiny, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    run = damaged(base_run, tmp_path, damage) if damage and damage != "untouched" else base_run
+    before = snapshot(run)
+    argv = [a.replace("RUN", str(run)).replace("MODEL", bandit_tiny).replace("TMP", str(tmp_path)) for a in args]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        SCRIPTS[script].main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert exit_.value.code == 2, err
+    assert "Traceback" not in err and len(lines) == 1 and "error:" in lines[0], err
+    assert needle in lines[0], lines[0]
+    assert snapshot(run) == before  # nothing of an existing run changed
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "r").exists()  # and no run folder was started
+
+
+def test_resume_without_a_checkpoint_starts_afresh_and_says_so(base_run, tmp_path, capsys):
+    run = damaged(base_run, tmp_path, "no-checkpoint")
+    train.main(["--resume", str(run)])
+    assert "no checkpoint in" in capsys.readouterr().out
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_overwrite_replaces_a_run_and_eval_finds_a_runs_policy(base_run, bandit_tiny, tmp_path, capsys):
+    run = tmp_path / "copy"
+    shutil.copytree(base_run, run)
+    (run / "trajectories-000099.txt").write_text("stale")
+    train.main(["--env", "bandit", "--no-think", "--model", bandit_tiny, "--steps", "1", "--prompts", "4",
+                "--rollouts", "4", "--eval-every", "0", "--eval-prompts", "2", "--out", str(run), "--overwrite"])
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert not (run / "trajectories-000099.txt").exists()
+    capsys.readouterr()
+    eval_py.main(["--env", "bandit", "--policy", str(run), "--prompts", "2"])
+    assert f"loading {run / 'final'}" in capsys.readouterr().err
+
+
+def run_script(args, **kw):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=300, **kw)
+
+
+def test_entry_scripts_exit_2_with_one_line_and_webshop_without_arguments_prints_help(tmp_path):
+    p = run_script([str(ROOT / "eval.py"), "--prompts", "0"], cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "--prompts 0" in p.stderr
+    p = run_script([str(ROOT / "webshop.py")], cwd=tmp_path)
+    assert p.returncode == 0 and "--write-catalogue" in p.stdout
+
+
+def test_ctrl_c_says_how_to_resume_and_exits_130(bandit_tiny, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train.py"), "--env", "bandit", "--no-think", "--model",
+                             bandit_tiny, "--steps", "500", "--prompts", "4", "--rollouts", "4", "--eval-every", "0",
+                             "--eval-prompts", "2", "--save-every", "1", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    deadline = time.time() + 240
+    while not (out / "latest").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    last = err.strip().splitlines()[-1]
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert "interrupted at iteration" in last and f"--resume {out}" in last
+
+
+def test_a_diverged_run_ends_in_one_line_and_keeps_its_metrics(bandit_tiny, tmp_path, capsys):
+    """--lr 1e30 is a finite number, so it runs: the first update blows the weights up, the eval of that
+    iteration cannot sample, and the run ends with one line (exit 1) after writing that iteration's metrics."""
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_:
+        train.main(["--env", "bandit", "--no-think", "--model", bandit_tiny, "--lr", "1e30", "--steps", "3",
+                    "--prompts", "4", "--rollouts", "4", "--filter", "1.0", "--eval-every", "1",
+                    "--eval-prompts", "2", "--out", str(out), "--group-noise", "independent"])
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert exit_.value.code == 1 and len(err) == 1 and ("diverged" in err[0] or "non-finite" in err[0])
+    assert rows and rows[-1]["step"] == int(err[0].split("iteration ")[1].split(":")[0])
