@@ -314,6 +314,8 @@ def ensure_tiny(cache_dir: str | None = None, progress: bool = True, warmup: dic
     if (path / "config.json").exists():
         return str(path)
     model = warm_up(tok, data, model_cfg, warmup, progress)
+    import transformers
+    transformers.utils.logging.disable_progress_bar()  # its "Writing model shards" bar says nothing here
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
     model.save_pretrained(tmp)

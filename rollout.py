@@ -45,6 +45,11 @@ Deviations from the paper / RAGEN (deliberate):
 5. The random agent (the baseline and the tiny policy's warm-up data) draws each action of a turn among the
    actions valid after the previous ones, planned on a copy of the env as the expert's plan is: WebShop's
    clickables change with the page, so a plan drawn from the first page alone would be mostly invalid.
+6. The prompt has RAGEN's layout (system message; instruction, "Turn k:", "State:", actions left, the format
+   line; the feedback opening the next user turn) but shorter words: no "Strictly follow this format. Max
+   response length: N words (tokens).", no answer examples in the instructions, and the feedback shows the
+   turn's whole reward (format penalty included) with a note when it was penalised, where RAGEN shows the env
+   reward alone. The policy sees what it is optimised for, and the tiny policy's prompts stay short.
 """
 from __future__ import annotations
 

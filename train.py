@@ -294,9 +294,10 @@ class EchoMonitor:
 
 
 def echo_check(mon: EchoMonitor, m: dict, baseline_iters: int = 5, std_ratio: float = 0.1, patience: int = 10,
-               grad_factor: float = 5.0, ent_swing: float = 0.5, window: int = 20) -> list[str]:
-    """Update the monitor with one iteration's metrics; -> warnings (empty when all is well)."""
-    warnings = []
+               grad_factor: float = 5.0, ent_swing: float = 0.5, window: int = 20) -> dict[str, str]:
+    """Update the monitor with one iteration's metrics; -> {signal: warning} for the signals that fired
+    (std_collapse, grad_spike, entropy_swing; empty when all is well)."""
+    warnings = {}
     std = m.get("rollout/in_group_std")
     if std is not None:
         mon.std_history.append(std)
@@ -304,13 +305,13 @@ def echo_check(mon: EchoMonitor, m: dict, baseline_iters: int = 5, std_ratio: fl
             base = statistics.fmean(mon.std_history[:baseline_iters])
             mon.low_std_run = mon.low_std_run + 1 if std < std_ratio * base else 0
             if mon.low_std_run >= patience:
-                warnings.append(f"reward std {std:.4f} < {std_ratio}x its early level {base:.4f} "
-                                f"for {mon.low_std_run} iterations")
+                warnings["std_collapse"] = (f"reward std {std:.4f} < {std_ratio}x its early level {base:.4f} "
+                                            f"for {mon.low_std_run} iterations")
     g = m.get("train/grad_norm")
     if g is not None and math.isfinite(g):
         past = mon.grad_history[-window:]
         if len(past) >= 5 and g > grad_factor * statistics.median(past):
-            warnings.append(f"grad norm {g:.3g} > {grad_factor}x its running median {statistics.median(past):.3g}")
+            warnings["grad_spike"] = f"grad norm {g:.3g} > {grad_factor}x its running median {statistics.median(past):.3g}"
         mon.grad_history.append(g)
     e = m.get("train/entropy")
     if e is not None and math.isfinite(e):
@@ -318,8 +319,8 @@ def echo_check(mon: EchoMonitor, m: dict, baseline_iters: int = 5, std_ratio: fl
         if len(past) >= 5:
             med = statistics.median(past)
             if abs(e - med) > ent_swing * med:
-                warnings.append(f"entropy {e:.3g} swung by more than {ent_swing:.0%} from its running median "
-                                f"{med:.3g}")
+                warnings["entropy_swing"] = (f"entropy {e:.3g} swung by more than {ent_swing:.0%} from its running "
+                                             f"median {med:.3g}")
         mon.ent_history.append(e)
     return warnings
 
@@ -417,9 +418,11 @@ def save_final(out: Path, policy, tok, cfg: Config):
 
 # ------------------------------------------------------------------------------------------- plots
 
-PLOT_KEYS = [("rollout/reward_mean", "average reward"), ("rollout/in_group_std", "in-group reward std"),
-             ("train/grad_norm", "grad norm"), ("train/entropy", "entropy"),
-             ("eval/success", "eval success (95% CI)")]
+PLOT_KEYS = [("rollout/reward_mean", "average reward", None), ("rollout/in_group_std", "in-group reward std",
+                                                                  "std_collapse"),
+             ("train/grad_norm", "grad norm", "grad_spike"), ("train/entropy", "entropy", "entropy_swing"),
+             ("eval/success", "eval success (95% CI)", None)]
+PLOT_SAME = {"out", "resume", "overwrite", "plot", "plot_out", "groups", "groups_kept"}  # never named in labels
 
 
 def read_runs(run_dirs: list[str]) -> dict[str, list[dict]]:
@@ -436,34 +439,59 @@ def read_runs(run_dirs: list[str]) -> dict[str, list[dict]]:
     return runs
 
 
+def running_mean(ys: list[float], window: int = 5) -> list[float]:
+    """Mean of each value with the up to window - 1 before it (the trend under per-iteration noise)."""
+    return [statistics.fmean(ys[max(0, i + 1 - window):i + 1]) for i in range(len(ys))]
+
+
 def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
+    """The paper's four Echo Trap signals (section 4.1, Figure 4) and eval success of one or more runs, one PNG:
+    the raw per-iteration trace faint, its running mean bold, eval points with their 95% intervals, and a marker
+    where the Echo Trap monitor fired on that signal. Runs are labelled by the settings that differ between them."""
     runs = read_runs(run_dirs)
     out_png = str(cli.writable_file(out_png or str(Path(run_dirs[0]) / "echo_trap.png"), "--plot-out"))
+    cfgs = {run: cli.read_json(Path(run) / "config.json", "--plot") if (Path(run) / "config.json").is_file() else {}
+            for run in runs}
+    keys = sorted({k for c in cfgs.values() for k in c} - PLOT_SAME)
+    differ = [k for k in keys if len({json.dumps(c.get(k)) for c in cfgs.values()}) > 1]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(PLOT_KEYS), figsize=(4 * len(PLOT_KEYS), 3.4))
-    for run, rows in runs.items():
-        cfg_path = Path(run) / "config.json"
-        label = Path(run).name
-        if cfg_path.exists():
-            c = json.loads(cfg_path.read_text())
-            label = f"{label} ({c['algo']}, filter {c['filter']}, kl {c['kl_coef']}, clip {c['clip_high']})"
-        for ax, (key, title) in zip(axes, PLOT_KEYS):
+    from matplotlib.ticker import MaxNLocator
+    fig, axes = plt.subplots(1, len(PLOT_KEYS), figsize=(3.6 * len(PLOT_KEYS), 3.6))
+    for n, (run, rows) in enumerate(runs.items()):
+        c, color = cfgs[run], f"C{n % 10}"
+        label = Path(run).name + (" (" + ", ".join(f"{k} {c.get(k)}" for k in differ) + ")" if differ else "")
+        for ax, (key, title, signal) in zip(axes, PLOT_KEYS):
             pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("iteration")
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             if not pts:
                 continue
             xs, ys = zip(*pts)
-            line, = ax.plot(xs, ys, label=label, marker="o" if key.startswith("eval") else None, ms=3)
             if key == "eval/success":
-                lo = [r["eval/success_lo"] for r in rows if r.get(key) is not None]
-                hi = [r["eval/success_hi"] for r in rows if r.get(key) is not None]
-                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15)
-            ax.set_title(title)
-            ax.set_xlabel("iteration")
-    axes[0].legend(fontsize=7, loc="best")
-    fig.tight_layout()
+                lo = [y - r["eval/success_lo"] for r, y in zip([r for r in rows if key in r], ys)]
+                hi = [r["eval/success_hi"] - y for r, y in zip([r for r in rows if key in r], ys)]
+                ax.errorbar(xs, ys, yerr=[lo, hi], color=color, marker="o", ms=4, capsize=4, lw=1.5, label=label)
+                continue
+            ax.plot(xs, ys, color=color, lw=0.8, alpha=0.3)
+            ax.plot(xs, running_mean(list(ys)), color=color, lw=2, label=label)
+            fired = [(x, y) for x, y, r in zip(xs, ys, [r for r in rows if key in r]) if signal and r.get(f"echo/{signal}")]
+            if fired:
+                ax.scatter(*zip(*fired), color=color, marker="x", s=40, zorder=3)
+    last = max((r["step"] for rows in runs.values() for r in rows), default=1)
+    for ax in axes:
+        ax.set_xlim(0, last + 1)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
+    what = ", ".join(differ) if differ else ", ".join(f"{k} {next(iter(cfgs.values())).get(k)}" for k in
+                                                     ("env", "algo", "filter") if cfgs and next(iter(cfgs.values())))
+    fig.suptitle(f"Echo Trap signals{' by ' + what if differ else (' (' + what + ')' if what else '')}; "
+                 f"bold: running mean of 5, x: monitor warning", fontsize=11)
+    fig.tight_layout(rect=(0, 0.06 + 0.04 * ((len(labels) - 1) // 3), 1, 0.95))
     fig.savefig(out_png, dpi=110)
+    plt.close(fig)
     return out_png
 
 
@@ -621,10 +649,11 @@ def main(argv=None):
             if dist.is_main():
                 warnings = echo_check(monitor, m)
                 m["echo/warnings"] = len(warnings)
-                for w in warnings:
+                for signal, w in warnings.items():
+                    m[f"echo/{signal}"] = 1
                     tqdm.write(f"[iter {it + 1}] ECHO TRAP WARNING: {w}")
                 if cfg.stop_on_collapse and warnings:
-                    stop_reason = warnings[0]
+                    stop_reason = next(iter(warnings.values()))
                 last = it + 1 == cfg.steps or stop_reason is not None
                 if (evaluates(cfg, it) or last) and not diverged:
                     t3 = time.time()

@@ -140,14 +140,14 @@ def test_echo_monitor_fires_on_each_signal():
     mon = train.EchoMonitor()
     quiet = {"rollout/in_group_std": 1.0, "train/grad_norm": 1.0, "train/entropy": 2.0}
     for _ in range(6):
-        assert train.echo_check(mon, dict(quiet)) == []
+        assert train.echo_check(mon, dict(quiet)) == {}
     fired = [train.echo_check(mon, {**quiet, "rollout/in_group_std": 0.01}) for _ in range(10)]
-    assert fired[-1] and "reward std" in fired[-1][0] and not any(fired[:9])
+    assert list(fired[-1]) == ["std_collapse"] and "reward std" in fired[-1]["std_collapse"] and not any(fired[:9])
     mon = train.EchoMonitor()
     for _ in range(6):
         train.echo_check(mon, dict(quiet))
     w = train.echo_check(mon, {**quiet, "train/grad_norm": 50.0, "train/entropy": 4.0})
-    assert any("grad norm" in x for x in w) and any("entropy" in x for x in w)
+    assert set(w) == {"grad_spike", "entropy_swing"} and "grad norm" in w["grad_spike"]
 
 
 def test_wilson_interval():
