@@ -24,7 +24,8 @@ SEED_MAX = 2 ** 31 - 1  # seeds are mixed into 64-bit generator seeds (seed * 1_
 
 
 def flag(default, help: str, choices=None):
-    """A Config field with its help string (and allowed values)."""
+    """A Config field with its help string and allowed values (a dict such as envs.ENVS is read when the flag is
+    parsed, so an env registered after import is allowed too)."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 

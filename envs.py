@@ -53,12 +53,12 @@ Deliberate deviations from the paper or RAGEN's code:
    achieve it picks the one with the best 0.9-discounted success value so that it never dawdles
    (e.g. bumping into a wall keeps the success probability but wastes a step). With no way to the
    goal left (a stuck box, a sealed lake) any action is optimal and the first action word is returned.
-9. Sokoban also has `expert_note()`: where the player, the boxes and the targets are, then the next push of
-   the expert's own plan and the cell it pushes from ("player at 3 5, box at 4 4, target at 5 3. I push the
-   box Left: I go to 4 5": row and column counted from 1 at the top-left wall; with several boxes the pushed
-   one is named). The SFT expert's thought starts with it (rollout.expert_agent), a truthful scratchpad that
-   splits the move into steps a small model can check: read the board, pick the push, walk to it
-   (sft_baseline.py has the measurements).
+9. Sokoban and FrozenLake `describe()` where things are, in words the tiny tokenizer has: "player at 3 5, box at
+   4 4, target at 5 3" (row and column from 1 at the top left; FrozenLake: the player, the goal, the holes).
+   The expert's thought starts with it (`expert_note()`, rollout.expert_agent), and Sokoban's adds the next
+   push of the expert's own plan and the cell it pushes from ("... I push the box Left: I go to 4 5"; with
+   several boxes the pushed one is named): a truthful scratchpad that splits the move into steps a small model
+   can check, read the board, pick the push, walk to it (sft_baseline.py, docs/sft.md).
 """
 from __future__ import annotations
 
@@ -465,14 +465,19 @@ class SokobanEnv(_TextEnv):
             rows.append("".join(row))
         return "\n".join(rows)
 
+    def _cell(self, i: int) -> str:
+        return f"{i // self.size + 1} {i % self.size + 1}"  # row, column from 1 (top-left wall)
+
+    def describe(self) -> str:
+        """Where things are, in words: "player at 3 5, box at 4 4, target at 5 3" (deviation 9)."""
+        self._require_live("describe()")
+        return ", ".join([f"player at {self._cell(self._player)}"] + [f"box at {self._cell(b)}" for b in self._boxes]
+                         + [f"target at {self._cell(t)}" for t in sorted(self._targets)])
+
     def expert_note(self) -> str:
-        """The start of the expert's thought, in words the tiny tokenizer has: where things are, then the next
-        push of its plan and the cell it pushes from ("player at 3 5, box at 4 4, target at 5 3. I push the
-        box Left: I go to 4 5"; deviation 9)."""
-        self._require_live("expert_note()")
-        cell = lambda i: f"{i // self.size + 1} {i % self.size + 1}"  # row, column from 1 (top-left wall)
-        note = ", ".join([f"player at {cell(self._player)}"] + [f"box at {cell(b)}" for b in self._boxes]
-                         + [f"target at {cell(t)}" for t in sorted(self._targets)])
+        """The start of the expert's thought: where things are, then the next push of its plan and the cell it
+        pushes from ("player at 3 5, box at 4 4, target at 5 3. I push the box Left: I go to 4 5"; deviation 9)."""
+        cell, note = self._cell, self.describe()
         push = self._next_push()
         if push is not None:
             a, stand, box = push
@@ -645,6 +650,17 @@ class FrozenLakeEnv(_TextEnv):
                 row.append(({"H": "X", "G": "√"}.get(t, "P")) if (r, c) == self._pos else tiles[t])
             rows.append("".join(row))
         return "\n".join(rows)
+
+    def describe(self) -> str:
+        """Where things are, in words: "player at 1 2, goal at 4 4, hole at 2 2, hole at 3 1" (deviation 9)."""
+        self._require_live("describe()")
+        cell = lambda rc: f"{rc[0] + 1} {rc[1] + 1}"  # row, column from 1 at the top left
+        holes = [f"hole at {cell(rc)}" for rc in zip(*np.nonzero(self._board == "H"))]
+        goal = tuple(int(x) for x in np.argwhere(self._board == "G")[0])
+        return ", ".join([f"player at {cell(self._pos)}", f"goal at {cell(goal)}"] + holes)
+
+    def expert_note(self) -> str:
+        return self.describe()
 
     def expert_action(self) -> str:
         self._require_live("expert_action()")

@@ -46,7 +46,7 @@ ROLLOUT_KEYS = ("max_turns", "max_actions_per_turn", "max_actions", "format_pena
 
 @dataclass
 class Config:
-    env: str = cli.flag("sokoban", "environment to evaluate on", choices=sorted(ENVS))
+    env: str = cli.flag("sokoban", "environment to evaluate on", choices=ENVS)
     envs: str = cli.flag("", "comma-separated envs (overrides --env); prints one markdown table")
     policy: str = cli.flag("tiny", "a run folder (its final/ or latest checkpoint), a model folder, a hub id, tiny, "
                                    "random or expert")

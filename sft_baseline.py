@@ -78,9 +78,9 @@ from train import rollout_config, save_final
 # Per-model defaults for fields left at None. Qwen: the paper's (Appendix G). tiny: what trains on a CPU.
 MODEL_DEFAULTS = {
     "tiny": dict(train_trajectories=3000, epochs=3, lr=2e-3, adam_beta2=0.95, lora_rank=0, context_turns=1,
-                 batch=16, micro_batch=16),
+                 batch=16, micro_batch=16, read_steps=600),
     "hf": dict(train_trajectories=1000, epochs=5, lr=1e-4, adam_beta2=0.999, lora_rank=64, context_turns=0,
-               batch=128, micro_batch=4),
+               batch=128, micro_batch=4, read_steps=0),
 }
 WARMUP_FRACTION = 0.05
 MAX_GRAD_NORM = 1.0
@@ -88,7 +88,7 @@ MAX_GRAD_NORM = 1.0
 
 @dataclass
 class Config:
-    env: str = cli.flag("sokoban", "environment", choices=sorted(ENVS))
+    env: str = cli.flag("sokoban", "environment", choices=ENVS)
     train_trajectories: int | None = cli.flag(None, "expert trajectories to train on (default: tiny 3,000, hub "
                                                     "models the paper's 1,000)")
     test_trajectories: int = cli.flag(100, "expert trajectories for the test loss (paper: 100)")
@@ -109,6 +109,10 @@ class Config:
     lr: float | None = cli.flag(None, "peak learning rate (default: tiny 2e-3, hub models 1e-4)")
     adam_beta2: float | None = cli.flag(None, "AdamW's beta2, the decay of its squared-gradient average (default: "
                                               "tiny 0.95, hub models torch's 0.999)")
+    read_steps: int | None = cli.flag(None, "a curriculum, short examples first: this many steps on the expert's "
+                                            "states alone, answered by where things are (the start of its "
+                                            "thought), before the epochs (default: tiny 600, hub models 0)")
+    read_batch: int = cli.flag(32, "sequences per step of the reading curriculum")
     lora_rank: int | None = cli.flag(None, "LoRA rank r, 0 = full fine-tuning (default: tiny 0, hub models 64)")
     lora_alpha: float = cli.flag(32.0, "LoRA alpha (the update is scaled by alpha / r)")
     eval_every: int = cli.flag(0, "also evaluate every this many epochs (0 = only the kept policy, at the end)")
@@ -141,6 +145,8 @@ def derive(cfg: Config, explicit: set[str]) -> Config:
         (1 <= cfg.expert_actions <= cfg.max_actions_per_turn,
          f"--expert-actions {cfg.expert_actions}: must be in 1..{cfg.max_actions_per_turn} (--max-actions-per-turn)"),
         (cfg.epochs >= 1, f"--epochs {cfg.epochs}: must be >= 1"),
+        (cfg.read_steps >= 0, f"--read-steps {cfg.read_steps}: must be >= 0 (0 = no curriculum)"),
+        (cfg.read_batch >= 1, f"--read-batch {cfg.read_batch}: must be >= 1"),
         (cfg.batch >= 1, f"--batch {cfg.batch}: must be >= 1"),
         (cfg.micro_batch >= 1, f"--micro-batch {cfg.micro_batch}: must be >= 1"),
         (cfg.lr > 0, f"--lr {cfg.lr}: must be > 0"),
@@ -224,6 +230,30 @@ def expert_trajectories(env: str, seeds: list[int], rcfg, tok, actions_per_turn:
     """The expert's episodes rendered as rollouts: each segment's loss mask is 1 exactly on the reply tokens."""
     return rollout(env, seeds, list(range(len(seeds))), rcfg, tokenizer=tok, agent=expert_agent(actions_per_turn),
                    env_overrides=env_overrides)
+
+
+def reading_examples(env_name: str, trajs, tok, env_overrides: dict | None = None) -> list:
+    """The curriculum's short examples: every state the expert met, alone ("State:\n<grid>"), answered by the
+    start of its thought, where things are (env.describe()). Replays each expert trajectory's actions from its
+    seed to find the states; [] for an env that cannot describe its state."""
+    from envs import make_env
+    from rollout import Segment
+    env = make_env(env_name, **(env_overrides or {}))
+    if not hasattr(env, "describe"):
+        return []
+    out = []
+    for t in trajs:
+        env.reset(t.seed)
+        for turn in t.turns:
+            prompt = tok.apply_chat_template([{"role": "user", "content": f"State:\n{env.render()}\n"}],
+                                             tokenize=False, add_generation_prompt=True) + "<think>"
+            ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            said = tok(" " + env.describe() + ".", add_special_tokens=False)["input_ids"]
+            out.append(Segment(ids + said, [0] * len(ids) + [1] * len(said)))
+            for a in turn.actions:
+                if not env.done:
+                    env.step(a)
+    return out
 
 
 def unknown_words(tok, trajs) -> list[str]:
@@ -360,13 +390,16 @@ def main(argv=None):
     train_trajs, test_trajs = trajs[:cfg.train_trajectories], trajs[cfg.train_trajectories:]
     train_segs = [s for t in train_trajs for s in t.segments]
     test_segs = [s for t in test_trajs for s in t.segments]
+    reading = reading_examples(cfg.env, train_trajs, tok, env_overrides) if cfg.read_steps else []
+    read_steps = cfg.read_steps if reading else 0
     per_epoch = math.ceil(len(train_segs) / cfg.batch)
-    cfg.steps = cfg.epochs * per_epoch
+    cfg.steps = read_steps + cfg.epochs * per_epoch
     n_tok, n_all = (sum(sum(s.loss_mask) for s in train_segs), sum(len(s.input_ids) for s in train_segs))
     solved = sum(t.success for t in train_trajs) / len(train_trajs)
     print(f"expert data: {len(train_segs)} train / {len(test_segs)} test sequences from {len(train_trajs)} / "
           f"{len(test_trajs)} trajectories (expert success {solved:.3f}), {n_tok / len(train_segs):.1f} trained "
-          f"of {n_all / len(train_segs):.0f} tokens per sequence, {time.time() - t0:.1f}s")
+          f"of {n_all / len(train_segs):.0f} tokens per sequence; {len(reading)} short examples for "
+          f"{read_steps} curriculum steps; {time.time() - t0:.1f}s")
     unknown = unknown_words(tok, trajs)
     if unknown:
         print(f"warning: the tokenizer has no tokens for {unknown} in the expert's replies: trained as <unk>")
@@ -387,18 +420,23 @@ def main(argv=None):
     policy.train()
     for it in bar:
         t0 = time.time()
-        epoch, k = divmod(it, per_epoch)
-        if k == 0:
-            order = batch_order(len(train_segs), cfg.batch, cfg.seed, epoch)
+        # 1. one optimizer step: first the curriculum's short examples (epoch 0), then the expert's sequences
+        if it < read_steps:
+            epoch, k = -1, it
+            rows = torch.randperm(len(reading), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 - it - 1))
+            segs = [reading[i] for i in rows[:cfg.read_batch].tolist()]
+        else:
+            epoch, k = divmod(it - read_steps, per_epoch)
+            if k == 0:
+                order = batch_order(len(train_segs), cfg.batch, cfg.seed, epoch)
+            segs = [train_segs[i] for i in order[k]]
         m: dict = {"step": it + 1, "epoch": epoch + 1, "train/lr": sched.get_last_lr()[0]}
-
-        # 1. one optimizer step on one batch of expert sequences
-        m.update(sft_step(policy, opt, [train_segs[i] for i in order[k]], cfg, tok.pad_token_id, device, amp))
+        m.update(sft_step(policy, opt, segs, cfg, tok.pad_token_id, device, amp))
         sched.step()
         m["time/step"] = time.time() - t0
 
         # 2. end of an epoch: test loss (keep the lowest), optional eval, log
-        if k == per_epoch - 1:
+        if epoch >= 0 and k == per_epoch - 1:
             t1 = time.time()
             m["test/loss"] = test_loss(policy, test_segs, cfg, tok.pad_token_id, device, amp)
             if m["test/loss"] < best["loss"]:

@@ -87,7 +87,7 @@ MODEL_DEFAULTS = {
 
 @dataclass
 class Config:
-    env: str = cli.flag("sokoban", "environment", choices=sorted(ENVS))
+    env: str = cli.flag("sokoban", "environment", choices=ENVS)
     algo: str = cli.flag("grpo", "advantage estimator: grpo (group-normalised) or ppo (critic + GAE)",
                          choices=["grpo", "ppo"])
     preset: str | None = cli.flag(None, "the paper's recipes: starpo or starpo-s (explicit flags override)",

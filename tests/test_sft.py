@@ -165,6 +165,23 @@ def test_expert_data_round_trips_with_the_mask_on_the_replies(env):
                     e.step(act)
 
 
+@pytest.mark.parametrize("env", ["sokoban", "frozenlake"])
+def test_reading_examples_are_each_turns_state_answered_by_where_things_are(env):
+    cfg = RolloutConfig(context_turns=1)
+    tok = expert_tokenizer([env], [cfg])
+    trajs = sft.expert_trajectories(env, list(range(1000, 1006)), cfg, tok, 2)
+    segs = sft.reading_examples(env, trajs, tok)
+    assert len(segs) == sum(len(t.turns) for t in trajs)
+    states = [m["content"] for t in trajs for m in t.messages if m["role"] == "user"]
+    for seg, user in zip(segs, states):
+        a, b = runs(seg.loss_mask)[0]
+        assert b == len(seg.input_ids) and len(runs(seg.loss_mask)) == 1
+        said = tok.decode(seg.input_ids[a:b], skip_special_tokens=False).strip()
+        grid = tok.decode(seg.input_ids[:a], skip_special_tokens=False).split("State:\n")[1].split("\n<")[0]
+        assert grid.strip() in user  # the state the expert met at that turn ...
+        assert said.startswith("player at ") and said.endswith(".")  # ... answered by where things are
+
+
 def test_data_seeds_are_disjoint_from_each_other_and_from_eval():
     train, test = sft.data_seeds(0, 1000, 100)
     assert len(set(train)) == 1000 and len(set(test)) == 100 and not set(train) & set(test)
@@ -247,7 +264,7 @@ def test_smoke_run_exports_the_lowest_test_loss_and_eval_loads_it(tiny_path, tmp
     out = tmp_path / "run"
     cmd = [sys.executable, "sft_baseline.py", "--env", "sokoban", "--model", tiny_path, "--train-trajectories",
            "16", "--test-trajectories", "4", "--epochs", "3", "--batch", "8", "--lora-rank", "4", "--lr", "3e-3",
-           "--context-turns", "1", "--eval-prompts", "4", "--out", str(out)]
+           "--context-turns", "1", "--eval-prompts", "4", "--read-steps", "3", "--read-batch", "4", "--out", str(out)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     final = out / "final"
@@ -257,6 +274,7 @@ def test_smoke_run_exports_the_lowest_test_loss_and_eval_loads_it(tiny_path, tmp
         assert f.keys() and not any("lora" in k for k in f.keys())  # merged: a plain checkpoint
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and rows[-1]["epoch"] == 3
+    assert [r["epoch"] for r in rows[:3]] == [0, 0, 0] and rows[3]["epoch"] == 1  # the curriculum comes first
     tests = [r["test/loss"] for r in rows if "test/loss" in r]
     result = json.loads((out / "result.json").read_text())
     assert len(tests) == 3 and result["lora_layers_merged"] == 7 * 2
