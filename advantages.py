@@ -75,8 +75,6 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     if token_rewards.shape != values.shape or values.shape != mask.shape or mask.dim() != 2:
         raise ValueError(f"token_rewards, values and mask must share one [B, T] shape, got "
                          f"{tuple(token_rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}")
-    if not (0.0 <= gamma <= 1.0) or not (0.0 <= lam <= 1.0):
-        raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma}, lam={lam}")
     sampled = mask > 0  # [B, T]
     if bool(((token_rewards != 0) & ~sampled).any()):
         raise ValueError("token_rewards has non-zero entries outside mask; rewards must sit on sampled tokens "

@@ -13,52 +13,28 @@ with the same sample also their luck (deviation 2).
 The experts feed the SFT baseline (Appendix G: BFS expert trajectories) and the tests.
 
 Deliberate deviations from the paper or RAGEN's code:
-1. Bandit safe arm pays 0.15, as the paper's Appendix states; RAGEN's code (BanditEnvConfig.lo_arm_score) pays
-   0.1. Risky arm: 1.0 w.p. 0.25 else 0 in both. The held-out pair of names RAGEN evaluates generalisation on
-   (config/envs.yaml BanditTest: safe "Trader", risky "Librarian") is the env `bandit-test`.
-2. The N rollouts of one prompt share its start; whether they also share the dynamics' noise (payoffs, slips)
-   is the caller's choice through `reset(seed, sample)`: the same `sample` gives the same noise. RAGEN seeds all
-   N rollouts of a group alike (es_manager._expand_seed), so the same actions meet the same payoff or slips
-   (train.py --group-noise shared, its default); `independent` numbers the rollouts 0..N-1. The instruction and
-   `actions` list the arms alphabetically (identical for `bandit` and `bandit-rev`); only the observation lists
-   them in a random order per reset.
-3. Randomness: Sokoban draws from one numpy Generator per reset instead of RAGEN's global `random` + legacy
-   numpy seeding, so a given seed gives a different room than RAGEN (same generator algorithm, same
-   distribution), and a failed generation attempt continues the same stream instead of RAGEN's re-seeding with
-   `hash(str(seed))` (which depends on the process's hash salt). FrozenLake's maps are drawn as RAGEN draws
-   them and equal RAGEN's on all 256 eval seeds (found in a comparison against RAGEN's code); only the slip
-   draws differ (gymnasium's own np_random there, the `sample` stream here).
-4. Sokoban generation follows RAGEN/gym-sokoban: random-walk topology (int(1.7 * (h + w)) steps,
-   p_change_directions 0.35, five masks), targets and player placed on the floor, reverse play by a
-   depth-limited DFS that scores states by box_swaps * box displacement (4 topology tries), then
-   0-3 random player moves (probability 0.8 if the box displacement is 1, else 0.5; continue 0.5).
-   The DFS search depth per variant is RAGEN's config/envs.yaml value: sokoban 300,
-   sokoban-newvocab 30, sokoban-large 10. No filter on solution length: some rooms need more than
-   the rollout's 10 actions (as in RAGEN).
-5. Sokoban reward follows gym-sokoban's count-based rule: -0.1 per valid step (also when blocked),
-   +1 when the number of boxes on targets rises, -1 when it falls (a push from target to target
-   gives 0), +10 when solved. No step limit (gym-sokoban ends at max_steps=100): budgets belong to
-   the rollout. An unknown action word is invalid: reward 0, nothing changes (RAGEN's env never
-   sees one; its rollout applies the format penalty).
-6. Text: grids are rows of symbols without spaces; instructions are short paraphrases of RAGEN's
-   prompts without answer-format instructions (the rollout owns the answer format).
-7. FrozenLake map generation is RAGEN's (tile frozen w.p. p=0.8, start and goal at random, regenerate
-   until a 4-neighbour path avoids holes); slips are gymnasium's (intended or either perpendicular
-   direction, 1/3 each, never backwards; blocked at the border) but drawn from the same Generator as
-   the map (gymnasium uses a second generator seeded with the same seed). The start tile is shown
-   as frozen, as in RAGEN.
-8. Experts (RAGEN has no FrozenLake expert; its Sokoban BFS caps depth at 100): Sokoban returns the
-   first step of a fewest-moves BFS plan (uncapped, cached per state); FrozenLake maximises the
-   probability of ever reaching the goal (undiscounted value iteration), and among the actions that
-   achieve it picks the one with the best 0.9-discounted success value so that it never dawdles
-   (e.g. bumping into a wall keeps the success probability but wastes a step). With no way to the
-   goal left (a stuck box, a sealed lake) any action is optimal and the first action word is returned.
-9. Sokoban and FrozenLake `describe()` where things are, in words the tiny tokenizer has: "player at 3 5, box at
-   4 4, target at 5 3" (row and column from 1 at the top left; FrozenLake: the player, the goal, the holes).
-   The expert's thought starts with it (`expert_note()`, rollout.expert_agent), and Sokoban's adds the next
-   push of the expert's own plan and the cell it pushes from ("... I push the box Left: I go to 4 5"; with
-   several boxes the pushed one is named): a truthful scratchpad that splits the move into steps a small model
-   can check, read the board, pick the push, walk to it (sft_baseline.py, docs/sft.md).
+1. Bandit's safe arm pays 0.15 (the paper's Appendix; RAGEN's code: 0.1); risky: 1.0 w.p. 0.25 in both.
+   RAGEN's held-out names (BanditTest: safe "Trader", risky "Librarian") are the env `bandit-test`.
+2. `reset(seed, sample)`: the N rollouts of a prompt share its start; the same `sample` also gives the same
+   payoffs and slips, as RAGEN seeds a group (train.py --group-noise). Arms are listed alphabetically in the
+   instruction and in a random order per reset in the observation.
+3. Sokoban draws from one numpy Generator per reset (RAGEN: global `random` + legacy numpy, re-seeded with
+   `hash(str(seed))` on a failed attempt): the same algorithm and distribution, other rooms per seed.
+   FrozenLake's maps equal RAGEN's on all 256 eval seeds; only the slip draws differ.
+4. Sokoban generation is RAGEN's / gym-sokoban's (random-walk topology, reverse play by a depth-limited DFS
+   scored by box swaps x displacement, 0-3 random player moves), with RAGEN's DFS depths (sokoban 300,
+   newvocab 30, large 10); no filter on solution length (some rooms need more than 10 actions, as in RAGEN).
+5. Sokoban's reward is gym-sokoban's (-0.1 per step, +-1 per box on or off a target, +10 solved), without
+   its 100-step limit (the rollout owns budgets). An unknown word is invalid: reward 0, nothing changes.
+6. Grids are rows of symbols without spaces; instructions are short paraphrases of RAGEN's prompts.
+7. FrozenLake: RAGEN's maps (frozen w.p. 0.8, regenerated until a path avoids the holes), gymnasium's slips
+   (intended or either perpendicular direction, 1/3 each) drawn from the env's own Generator.
+8. Experts (RAGEN has none for FrozenLake; its Sokoban BFS stops at depth 100): Sokoban, the first step of an
+   uncapped fewest-moves BFS plan; FrozenLake, the action that maximises the probability of ever reaching
+   the goal, ties broken by the 0.9-discounted success value (it never dawdles).
+9. Sokoban and FrozenLake `describe()` where things are ("player at 3 5, box at 4 4, target at 5 3", row and
+   column from 1 at the top left). The SFT expert's thought starts with it (`expert_note()`), and Sokoban's
+   adds the next push of its plan and where it stands to push: a truthful scratchpad (docs/sft.md).
 """
 from __future__ import annotations
 

@@ -118,14 +118,19 @@ def evaluate(env: str, rcfg: RolloutConfig, model=None, tokenizer=None, agent=No
     return summarize(trajs, scripted=agent is not None), trajs
 
 
+def saved_rollout_settings(path: str | None, flag: str) -> dict:
+    """The rollout settings (ROLLOUT_KEYS) in the train_config.json a training run saved beside its policy."""
+    if path is None or not (Path(path) / "train_config.json").exists():
+        return {}
+    saved = cli.read_json(Path(path) / "train_config.json", flag)
+    return {k: saved[k] for k in ROLLOUT_KEYS if k in saved}
+
+
 def rollout_config_for(policy_path: str | None, cfg: Config, env: str) -> RolloutConfig:
     """Training's rollout settings saved beside the policy, then the flags typed here on top; a reply budget
     neither gives is the model's default (rollout.default_reply_tokens)."""
     from policy import model_kind
-    saved = {}
-    if policy_path is not None and (Path(policy_path) / "train_config.json").exists():
-        saved = cli.read_json(Path(policy_path) / "train_config.json", "--policy")
-    values = {k: saved[k] for k in ROLLOUT_KEYS if k in saved}
+    values = saved_rollout_settings(policy_path, "--policy")
     values.update({k: getattr(cfg, k) for k in ROLLOUT_KEYS if getattr(cfg, k, None) is not None})
     values.setdefault("max_new_tokens", default_reply_tokens(model_kind(policy_path or "tiny"), env))
     return RolloutConfig(temperature=cfg.temperature, **values)

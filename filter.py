@@ -48,8 +48,6 @@ def select_groups(group_rewards: torch.Tensor, keep: float = 0.25,
         raise ValueError("group_rewards is empty (G = 0 groups); nothing to filter")
     if N < 2:
         raise ValueError(f"each group needs at least 2 rollouts to have an in-group std, got N = {N}")
-    if not (0.0 < keep <= 1.0):
-        raise ValueError(f"keep must be in (0, 1], got {keep}")
     if not bool(torch.isfinite(group_rewards).all()):
         raise ValueError("group_rewards contains NaN or inf")
 

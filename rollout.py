@@ -22,34 +22,23 @@ window changes what the model sees, not what it is credited with.
 
 Deviations from the paper / RAGEN (deliberate):
 1. The assistant turn is pre-filled with the opening tag ("<think>", or "<answer>" with --no-think), as RAGEN's
-   ctx_manager does (also at the paper-era commit); here the tag is a template token (mask 0).
-2. Generation stops once the text of a row's last tokens contains "</answer>" (a BPE token may carry text past
-   it), or at the tokenizer's EOS or the model's generation_config end tokens, or at max_new_tokens; the
-   template's end-of-turn marker is appended as a template token (mask 0) unless the policy itself sampled
-   EOS (then that sampled token closes the turn, and the reply's text leaves it to the template). The sampled
-   tokens are trained as sampled; RAGEN re-renders a parsed reply ("<think>..</think><answer>a || b</answer>",
-   extra actions cut) and re-tokenises it.
-3. Actions follow RAGEN's es_manager: a reply's first max_actions_per_turn words are read, unknown words change
-   nothing and do not use the episode's budget, the valid ones run until the budget is spent or the episode
-   ends, and a turn with an invalid word or without a valid action pays the format penalty once. RAGEN checks
-   every word it read; here the words after the last one run are not checked (an invalid word after the
-   budget ran out costs no penalty), because in WebShop a word's validity depends on the page it meets.
-4. Decoding is our own loop over `model.base_model` + the LM head (not `generate()`; RAGEN samples with vLLM),
-   so it works the same on transformers 4.x and 5.x and computes logits for the last position only (a
-   [B, T, V] prefill tensor would be ~46 GB for Qwen at 128 x 600 tokens). Each episode's KV cache lives across
-   its turns (`EpisodeCache`): a turn runs only what was appended since the last one (the reply's last token,
-   the template close, the feedback, the next state), the N rollouts of a prompt run their shared first prompt
-   once, and a reply's cache is allocated once (`ReplyCache`). It is the same math as re-prefilling every
-   prompt (`kv_cache=False`) up to float rounding of the logits (~1e-6 in float32: identical samples observed
-   in bench.py rollout, not guaranteed; tested exactly in float64). A history window re-prefills its prompt.
-5. The random agent (the baseline and the tiny policy's warm-up data) draws each action of a turn among the
-   actions valid after the previous ones, planned on a copy of the env as the expert's plan is: WebShop's
-   clickables change with the page, so a plan drawn from the first page alone would be mostly invalid.
-6. The prompt has RAGEN's layout (system message; instruction, "Turn k:", "State:", actions left, the format
-   line; the feedback opening the next user turn) but shorter words: no "Strictly follow this format. Max
-   response length: N words (tokens).", no answer examples in the instructions, and the feedback shows the
-   turn's whole reward (format penalty included) with a note when it was penalised, where RAGEN shows the env
-   reward alone. The policy sees what it is optimised for, and the tiny policy's prompts stay short.
+   ctx_manager does; here the tag is a template token (mask 0).
+2. Generation stops at "</answer>" in a row's text, at EOS or the generation_config's end tokens, or at
+   max_new_tokens; the template's end-of-turn marker is appended (mask 0) unless the policy sampled EOS. The
+   sampled tokens are trained as sampled (RAGEN re-renders a parsed reply and re-tokenises it).
+3. Actions follow RAGEN's es_manager (the first max_actions_per_turn words are read; unknown words change
+   nothing and use no budget; an invalid word or no valid action costs the format penalty once), except that
+   words after the last one run are not checked: in WebShop a word's validity depends on the page it meets.
+4. Decoding is our own loop over `model.base_model` + the LM head (RAGEN samples with vLLM): the same on
+   transformers 4.x and 5.x, logits only for the last position. Each episode's KV cache lives across its
+   turns (`EpisodeCache`): a turn runs only the tokens appended since the last one, a group's shared first
+   prompt runs once, a reply's cache is allocated once (`ReplyCache`). The same math as re-prefilling
+   (`kv_cache=False`) up to float rounding (~1e-6 in float32: identical samples observed, not guaranteed;
+   tested exactly in float64). A history window re-prefills its prompt, which changes every turn.
+5. The random agent draws each action among those valid after the previous ones (planned on a copy of the
+   env): WebShop's clickables change with the page.
+6. RAGEN's prompt layout with shorter words (no "Strictly follow this format...", no answer examples), and the
+   feedback shows the turn's whole reward with a note when it was penalised (RAGEN: the env reward alone).
 """
 from __future__ import annotations
 

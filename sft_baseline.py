@@ -18,40 +18,25 @@ q/k/v/o and MLP gate/up/down; not the embeddings or the LM head) gets y = W x + 
 frozen, A random, B = 0, so training starts exactly at the pretrained model; export merges W + (alpha / r) B A.
 
 Deviations from the paper / RAGEN (deliberate):
-1. `--model tiny` defaults (printed with `--help`; also for folders of its size, policy.model_kind): full
-   fine-tuning (`--lora-rank 0`: a rank-64 adapter on a 128-wide layer has as many parameters as the layer),
-   a 1-turn history window (`--context-turns 1`: one example per turn, the current board; whole
-   conversations trained worse in a probe), and 3,000 expert trajectories (3x the paper's 1,000) for 3 epochs
-   of batches of 16 (one micro-batch) at lr 2e-3 with AdamW's beta2 0.95: ~1,290 optimizer steps on Sokoban,
-   what fits in 10 CPU minutes (the steps are compute-bound; expert data costs ~1.5 s per 1,000 trajectories).
-   Measured on Sokoban (eval success on the 256 eval rooms; README has the whole path): the default 0.805 /
-   0.805 / 0.828 with seeds 0 / 1 / 2 (test loss 0.018 per reply token); 4,000 x 3 in batches of 32 at lr 3e-3
-   (861 steps) 0.836 / 0.816 but 11 minutes, and with beta2 0.999 0.703 / 0.621; seed 0, 3,500 x 3: batches of
-   32 (756 steps) 0.711 / 0.695 / 0.570 at lr 2e-3 / 3e-3 / 4e-3, batches of 16 (1,512 steps, the same
-   compute) 0.824 / 0.793 at lr 2e-3 / 3e-3. The Qwen defaults are the paper's (1,000 trajectories, LoRA
-   rank 64, alpha 32, lr 1e-4, batch 128, 5 epochs, the whole conversation) and torch's beta2 0.999.
-2. The expert answers with `--expert-actions` moves per turn, default ceil(max_actions / max_turns) = 2: with
-   one move per turn the 5-turn budget caps the expert itself at 73% of the eval rooms (5 moves), with two it
-   can use the whole 10-action budget (99.6%). The plan is made on a copy of the env that shares its random
-   stream, so on slippery FrozenLake a turn's later moves already know the earlier moves' slips (eval.py's
-   ceiling has the same foresight); the policy cannot see them, so those labels are partly noise. The thought
-   is rollout.expert_agent's truthful template, on Sokoban a scratchpad of where things are and which push
-   comes next, then the plan ("player at 3 5, box at 4 4, target at 5 3. I push the box Left: I go to 4 5.
-   I pick my moves: Down, Left.", words the tiny vocabulary has; envs.py deviation 9). Measured (1,000
-   trajectories, seed 0): the tiny model reads those coordinates at < 0.05 nats per token, and eval success
-   rose from 0.38 with the plan alone to 0.52 with the positions; naming the push (4,000 x 3, beta2 0.999)
-   took seeds 0 / 1 from 0.527 / 0.633 to 0.703 / 0.621. Words a tokenizer lacks would train as <unk>, and
-   are reported at start-up.
-3. Every expert trajectory is kept, solved or not: each of its actions is the expert's choice in the state it
-   saw (keeping only solved FrozenLake episodes would select lucky slips, not better actions).
-4. The learning rate warms up linearly over the first 5% of the optimizer steps, then decays to 0 on a cosine
-   (the paper states only the peak and no betas); gradients are clipped at norm 1.0, as in train.py. The tiny
-   default's AdamW beta2 is 0.95 (`--adam-beta2`, a common value in LM pre-training; train.py keeps torch's
-   0.999); deviation 1 has what it changed.
-5. The checkpoint with the lowest test loss is kept in memory (a copy of the trained parameters), not on disk,
-   and there is no --resume: a run is minutes on a CPU.
-6. Besides the test loss, the kept policy is evaluated at the end on the eval prompts (`--eval-every` also
-   evaluates after epochs) with the protocol of eval.py: the same seed gives the same numbers as
+1. `--model tiny` defaults (also for folders of its size, policy.model_kind): full fine-tuning (`--lora-rank
+   0`: a rank-64 adapter on a 128-wide layer is as large as the layer), a 1-turn history window (one example
+   per turn), 3,000 expert trajectories x 3 epochs in batches of 16 at lr 2e-3, AdamW beta2 0.95: what fits
+   10 CPU minutes (docs/sft.md has the search). Hub models get the paper's values (1,000 trajectories, LoRA
+   r64 / alpha 32, lr 1e-4, batch 128, 5 epochs, the whole conversation, beta2 0.999).
+2. A reading curriculum comes first (`--read-steps`, tiny default {READ}, hub models 0): short examples, each
+   state the expert met alone, answered by where things are (`env.describe()`). A model that cannot yet read
+   the board sits on a plateau at chance for a number of steps that varied from run to run and decided the
+   result; reading first removes that dependence (docs/sft.md, seed by seed).
+3. The expert answers with `--expert-actions` moves per turn, default ceil(max_actions / max_turns) = 2 (one
+   move per turn caps the expert at 73% of the eval rooms in 5 turns; two, 99.6%). On slippery FrozenLake a
+   turn's later moves know the earlier moves' slips (the plan runs on a copy of the env), which the policy
+   cannot. The thought is rollout.expert_agent's truthful template: where things are and, on Sokoban, the next
+   push and where to stand for it, then the moves (envs.py deviation 9).
+4. Every expert trajectory is kept, solved or not (keeping solved FrozenLake episodes selects lucky slips).
+5. The learning rate warms up over the first 5% of the steps, then decays to 0 on a cosine (the paper states
+   only the peak); gradients are clipped at norm 1.0, as in train.py.
+6. The lowest-test-loss checkpoint is kept in memory, not on disk; no --resume (a run is minutes on a CPU).
+7. The kept policy is evaluated at the end with eval.py's protocol: the same seed gives the same numbers as
    `python eval.py --policy RUN_DIR/final`.
 """
 from __future__ import annotations
@@ -78,7 +63,7 @@ from train import rollout_config, save_final
 # Per-model defaults for fields left at None. Qwen: the paper's (Appendix G). tiny: what trains on a CPU.
 MODEL_DEFAULTS = {
     "tiny": dict(train_trajectories=3000, epochs=3, lr=2e-3, adam_beta2=0.95, lora_rank=0, context_turns=1,
-                 batch=16, micro_batch=16, read_steps=600),
+                 batch=16, micro_batch=16, read_steps=300),
     "hf": dict(train_trajectories=1000, epochs=5, lr=1e-4, adam_beta2=0.999, lora_rank=64, context_turns=0,
                batch=128, micro_batch=4, read_steps=0),
 }
@@ -109,10 +94,10 @@ class Config:
     lr: float | None = cli.flag(None, "peak learning rate (default: tiny 2e-3, hub models 1e-4)")
     adam_beta2: float | None = cli.flag(None, "AdamW's beta2, the decay of its squared-gradient average (default: "
                                               "tiny 0.95, hub models torch's 0.999)")
-    read_steps: int | None = cli.flag(None, "a curriculum, short examples first: this many steps on the expert's "
-                                            "states alone, answered by where things are (the start of its "
-                                            "thought), before the epochs (default: tiny 600, hub models 0)")
-    read_batch: int = cli.flag(32, "sequences per step of the reading curriculum")
+    read_steps: int | None = cli.flag(None, "a reading curriculum first: this many steps on the expert's prompts "
+                                            "answered by the start of its thought only, where things are "
+                                            "(default: tiny 300, hub models 0)")
+    read_batch: int = cli.flag(16, "sequences per step of the reading curriculum")
     lora_rank: int | None = cli.flag(None, "LoRA rank r, 0 = full fine-tuning (default: tiny 0, hub models 64)")
     lora_alpha: float = cli.flag(32.0, "LoRA alpha (the update is scaled by alpha / r)")
     eval_every: int = cli.flag(0, "also evaluate every this many epochs (0 = only the kept policy, at the end)")
@@ -233,9 +218,9 @@ def expert_trajectories(env: str, seeds: list[int], rcfg, tok, actions_per_turn:
 
 
 def reading_examples(env_name: str, trajs, tok, env_overrides: dict | None = None) -> list:
-    """The curriculum's short examples: every state the expert met, alone ("State:\n<grid>"), answered by the
-    start of its thought, where things are (env.describe()). Replays each expert trajectory's actions from its
-    seed to find the states; [] for an env that cannot describe its state."""
+    """The curriculum's short examples: the expert's own prompts, turn by turn, answered by the start of its
+    thought only, where things are (env.describe(), found by replaying the expert's actions from the seed):
+    the first part of the very reply the epochs train. [] for an env that cannot describe its state."""
     from envs import make_env
     from rollout import Segment
     env = make_env(env_name, **(env_overrides or {}))
@@ -244,12 +229,16 @@ def reading_examples(env_name: str, trajs, tok, env_overrides: dict | None = Non
     out = []
     for t in trajs:
         env.reset(t.seed)
-        for turn in t.turns:
-            prompt = tok.apply_chat_template([{"role": "user", "content": f"State:\n{env.render()}\n"}],
-                                             tokenize=False, add_generation_prompt=True) + "<think>"
-            ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        segs = t.segments
+        windowed = len(segs) == len(t.turns)  # one segment per turn (a history window), else one in all
+        for k, turn in enumerate(t.turns):
+            # the turn's prompt ends where its reply's trained tokens start: the first trained run of its own
+            # segment, or the k-th of the whole conversation's
+            seg = segs[k] if windowed else segs[0]
+            starts = [i for i, m in enumerate(seg.loss_mask) if m and (i == 0 or not seg.loss_mask[i - 1])]
+            start = starts[0 if windowed else k]
             said = tok(" " + env.describe() + ".", add_special_tokens=False)["input_ids"]
-            out.append(Segment(ids + said, [0] * len(ids) + [1] * len(said)))
+            out.append(Segment(seg.input_ids[:start] + said, [0] * start + [1] * len(said)))
             for a in turn.actions:
                 if not env.done:
                     env.step(a)

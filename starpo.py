@@ -19,34 +19,22 @@ is 0), `entropy[:, t]` the entropy of that same distribution, `values[:, t]` the
 token t; all right-padded [B, T] like the masks.
 
 Deliberate deviations from the paper / RAGEN (verl core_algos):
-1. Clip-fraction names: `pg_clipfrac_upper` counts tokens clipped at 1 + eps_high (A > 0) and
-   `pg_clipfrac_lower` those clipped at 1 - eps_low (A < 0); verl's `pg_clipfrac_lower` is the dual-clip
-   fraction, reported here as `pg_clipfrac_dual` (only when dual clip is on).
-2. The loss is aggregated over the whole mini-batch (`--loss-agg`: a token mean by default, or per sequence
-   first: `seq-mean-token-mean` is the paper's 1/|tau_i| form, RAGEN HEAD's), so micro-batching changes
-   nothing. RAGEN's paper-era actor (verl) took a token mean within each micro-batch of 4 and averaged the
-   micro-batches, which weighs a token by its micro-batch's size. `seq-mean-*` divide by the number of rows
-   with at least one sampled token (verl divides by all rows, and its token-mean per row is 0/0 for an empty
-   row); a mini-batch with no sampled token gives loss 0.
-3. Values outside the mask never reach a loss or a gradient: advantages and old log-probs there are replaced
-   (verl multiplies by the mask, so a NaN on a padding token becomes a NaN gradient).
-4. The fused path always computes logits in fp32, also under bf16 autocast (HF and verl compute the LM head in
-   bf16 and upcast); this is what the per-token log-ratio needs, and it is slower on a GPU than a bf16 head.
-   It assumes logits = lm_head(final hidden state), true for Qwen2/Llama/Mistral; models that post-process
-   logits (softcapping, logit scaling) must use `fused=False`.
-5. `update` syncs with the host once per optimizer step (to decide whether the step is finite) and once at the
-   end for the metrics; nothing per micro-batch. A non-finite policy or value loss, or a non-finite grad norm,
-   skips the whole mini-batch (policy and critic), counted in `train/skipped_nonfinite`. Metrics average only
-   over the steps actually taken.
-6. `train/approx_kl` is verl's `ppo_kl`, the k1 estimate mean(old_logp - logp); `train/kl_to_init` uses the
-   configured `kl_kind` (k3 by default) and is measured whenever reference log-probs are given, also with
-   kl_coef = 0 (StarPO-S tracks KL post-hoc, Appendix C.2). Without ref_logp both KL keys are absent.
-7. `update` leaves the modules' train/eval mode to the caller (old_logp must come from the same mode for the
-   first ratio to be exactly 1; Qwen2 has no dropout, so the two agree anyway).
-8. Data parallel (`update(..., shard=(rank, world))`, driven by train.py under torchrun): each rank trains rows
-   rank, rank + world, ... of every mini-batch, so the micro-batches group other rows than a single process
-   would; the gradient and the metrics are the same up to float summation order. A rank short of rows runs a
-   zero-weight micro-batch (an all-zero loss mask) so that every rank all-reduces equally often.
+1. `pg_clipfrac_upper` counts tokens clipped at 1 + eps_high (A > 0), `pg_clipfrac_lower` those at 1 - eps_low
+   (A < 0); verl's `pg_clipfrac_lower` is its dual-clip fraction (dual clip is not used by the paper, nor here).
+2. The loss is aggregated over the whole mini-batch (`--loss-agg`: token mean, or per sequence first, the
+   paper's 1/|tau_i| form), so micro-batching changes nothing; paper-era verl averaged per-micro-batch token
+   means. `seq-mean-*` divide by the rows with a sampled token (verl: all rows).
+3. Values outside the mask never reach a loss or a gradient (verl multiplies by the mask: NaN x 0 = NaN).
+4. The fused path computes logits in fp32, also under bf16 autocast (HF and verl: a bf16 head); it assumes
+   logits = lm_head(last hidden state) (Qwen2/Llama/Mistral); others must use `fused=False`.
+5. `update` syncs with the host once per optimizer step (is the step finite?) and once for the metrics. A
+   non-finite loss or grad norm skips the whole mini-batch, counted in `train/skipped_nonfinite`.
+6. `train/approx_kl` is verl's `ppo_kl` (k1 to the rollout policy); `train/kl_to_init` uses `kl_kind` and is
+   measured whenever reference log-probs are given, also with kl_coef = 0 (StarPO-S, Appendix C.2).
+7. `update` leaves train/eval mode to the caller (old_logp must come from the same mode; Qwen2 has no dropout).
+8. Data parallel (`update(shard=(rank, world))`, under torchrun): each rank trains rows rank, rank + world, ...
+   of every mini-batch under DDP; the same gradient and metrics up to float summation order. A rank short of
+   rows runs a zero-weight micro-batch so that every rank all-reduces equally often.
 """
 
 from __future__ import annotations
@@ -62,7 +50,6 @@ import torch
 import torch.nn.functional as F
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-KL_KINDS = ("k1", "k3")
 LOG_RATIO_CLAMP = 20.0
 
 
@@ -111,26 +98,14 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.28, agg: str = "token-mean",
-                dual_clip: float | None = None,
                 denom: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with decoupled clip bounds (Clip-Higher, section 4.2), per token, aggregated.
 
     logp, old_logp, advantages, mask: [B, T]. ratio = exp(clamp(logp - old_logp, -20, 20));
-    per-token loss max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)); with `dual_clip = c > 1`,
-    tokens with A < 0 are further bounded by -A * c (dual-clip PPO). `denom`: see `aggregate`.
+    per-token loss max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)). `denom`: see `aggregate`.
     Returns (loss, metrics) with metrics as 0-dim tensors (token means over the mask, no host sync):
-    pg_clipfrac, pg_clipfrac_upper, pg_clipfrac_lower, approx_kl (k1 to the old policy) and, with dual clip,
-    pg_clipfrac_dual.
+    pg_clipfrac, pg_clipfrac_upper, pg_clipfrac_lower, approx_kl (k1 to the old policy).
     """
-    if not (logp.shape == old_logp.shape == advantages.shape == mask.shape):
-        raise ValueError(f"logp, old_logp, advantages and mask must share one [B, T] shape, got "
-                         f"{tuple(logp.shape)}, {tuple(old_logp.shape)}, {tuple(advantages.shape)}, "
-                         f"{tuple(mask.shape)}")
-    if not (0.0 <= clip_low < 1.0) or clip_high < 0.0:
-        raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got clip_low={clip_low}, "
-                         f"clip_high={clip_high}")
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     m = mask > 0
     # outside the mask: A = 0 and old = logp, so junk there (padding) cannot reach a gradient
     adv = torch.where(m, advantages.float(), 0.0)
@@ -146,10 +121,6 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
         "pg_clipfrac_lower": masked_mean(((adv < 0) & (ratio < 1.0 - clip_low)).float(), mask),
         "approx_kl": masked_mean(-log_ratio.detach(), mask),
     }
-    if dual_clip is not None:
-        bound = -adv * dual_clip  # [B, T]; for A < 0 the loss may not exceed |A| * c
-        metrics["pg_clipfrac_dual"] = masked_mean(((adv < 0) & (loss_tok > bound)).float(), mask)
-        loss_tok = torch.where(adv < 0, torch.minimum(loss_tok, bound), loss_tok)
     return aggregate(loss_tok, mask, agg, denom), metrics
 
 
@@ -161,10 +132,6 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
         [-10, 10]); non-negative, low variance. StarPO uses a KL loss to the initial policy (coef 0.001);
         StarPO-S only measures it (section 4.2, Appendix C.2).
     """
-    if kind not in KL_KINDS:
-        raise ValueError(f"kind must be one of {KL_KINDS}, got {kind!r}")
-    if logp.shape != ref_logp.shape:
-        raise ValueError(f"logp and ref_logp shapes differ: {tuple(logp.shape)} vs {tuple(ref_logp.shape)}")
     if kind == "k1":
         return logp.float() - ref_logp.float()
     log_r = (ref_logp.float() - logp.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
@@ -179,12 +146,6 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     Returns (loss, {"vf_clipfrac": fraction of tokens where the clipped error is the larger one}).
     `denom`: number of tokens to divide by (see `aggregate`).
     """
-    if not (values.shape == old_values.shape == returns.shape == mask.shape):
-        raise ValueError(f"values, old_values, returns and mask must share one [B, T] shape, got "
-                         f"{tuple(values.shape)}, {tuple(old_values.shape)}, {tuple(returns.shape)}, "
-                         f"{tuple(mask.shape)}")
-    if clip is not None and clip <= 0:
-        raise ValueError(f"value clip must be > 0 or None, got {clip}")
     m = mask > 0
     v = values.float()
     ret = torch.where(m, returns.float(), v.detach())
@@ -340,17 +301,6 @@ def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: tor
     (also under autocast); backward recomputes each chunk, so no [N, V] tensor is ever kept. Differentiable
     in hidden, weight and bias. No host sync.
     """
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(f"need hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if targets.shape != hidden.shape[:1]:
-        raise ValueError(f"targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
-    if bias is not None and bias.shape != weight.shape[:1]:
-        raise ValueError(f"bias must be [V] = [{weight.shape[0]}], got {tuple(bias.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
     return _FusedLogprobEntropy.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size))
 
 
@@ -419,11 +369,6 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError("token_logprobs got DistributedDataParallel(model): wrap TokenLogprobs(model) instead, "
                          "or its gradients are never all-reduced (see TokenLogprobs)")
-    if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
-        raise ValueError(f"input_ids and attention_mask must both be [B, T], got {tuple(input_ids.shape)} "
-                         f"and {tuple(attention_mask.shape)}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
     B, T = input_ids.shape
     targets = input_ids[:, 1:].reshape(-1)  # [B*(T-1)]
     if not 0 <= prefix_len < T:
@@ -536,7 +481,6 @@ class UpdateConfig:
     micro_batch: int = 4  # trajectories per forward/backward (gradient accumulation)
     clip_low: float = 0.2  # eps_low
     clip_high: float = 0.28  # eps_high, Clip-Higher (section 4.2; StarPO uses 0.2)
-    dual_clip: float | None = None
     agg: str = "token-mean"
     entropy_coef: float = 0.001
     kl_coef: float = 0.0  # 0 = KL removal (StarPO-S); StarPO uses 0.001
@@ -547,30 +491,6 @@ class UpdateConfig:
     fused: bool = True
     chunk_size: int = 1024
 
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self):
-        if self.mini_batch < 1 or self.micro_batch < 1:
-            raise ValueError(f"mini_batch and micro_batch must be >= 1, got {self.mini_batch}, "
-                             f"{self.micro_batch}")
-        if self.agg not in AGG_MODES:
-            raise ValueError(f"agg must be one of {AGG_MODES}, got {self.agg!r}")
-        if self.kl_kind not in KL_KINDS:
-            raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {self.kl_kind!r}")
-        if not (0.0 <= self.clip_low < 1.0) or self.clip_high < 0.0:
-            raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0, got {self.max_grad_norm}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
-        if self.chunk_size < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {self.chunk_size}")
-        if self.value_clip is not None and self.value_clip <= 0:
-            raise ValueError(f"value_clip must be > 0 or None, got {self.value_clip}")
-
 
 def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float = 0.01,
                    betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
@@ -580,7 +500,10 @@ def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float = 0.0
                              weight_decay=weight_decay, betas=betas)
 
 
-PER_STEP = ("pg_loss", "grad_norm", "kl_loss", "value_loss", "critic_grad_norm")  # update's per-step metrics
+# update's metrics: token-weighted means, and means over its optimizer steps
+TOKEN_METRICS = ("entropy", "pg_clipfrac", "pg_clipfrac_upper", "pg_clipfrac_lower", "approx_kl", "kl_to_init",
+                 "vf_clipfrac")
+PER_STEP = ("pg_loss", "grad_norm", "kl_loss", "value_loss", "critic_grad_norm")
 
 
 def micro_batches(n: int, micro: int, rank: int = 0, world: int = 1) -> list[list[int]]:
@@ -631,7 +554,6 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     (grads zeroed, no optimizer step, weights untouched) and is counted. `autocast_dtype`: torch.bfloat16 on
     CUDA, None on CPU (no autocast).
     """
-    cfg.validate()
     if len(batch) == 0:
         raise ValueError("update got an empty batch")
     if critic is not None:
@@ -660,10 +582,8 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     perm = torch.randperm(len(batch), generator=generator).to(device)
 
     zero = lambda: torch.zeros((), device=device)  # noqa: E731
-    # totals over the steps actually taken; token-weighted sums for token metrics, per-step sums for the rest
-    keys = ["tokens", "pg_loss", "entropy", "grad_norm", "pg_clipfrac", "pg_clipfrac_upper", "pg_clipfrac_lower",
-            "approx_kl", "kl_to_init", "kl_loss", "pg_clipfrac_dual", "value_loss", "vf_clipfrac",
-            "critic_grad_norm"]
+    # totals over the steps actually taken: token sums of the token metrics, per-step sums of PER_STEP
+    keys = ["tokens", *TOKEN_METRICS, *PER_STEP]
     totals = {k: zero() for k in keys}
     steps_taken = skipped = 0
 
@@ -694,7 +614,7 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
                 # no old_logp: the batch is one optimizer step on fresh rollouts, whose policy is this one
                 old_logp = mi.old_logp if mi.old_logp is not None else logp.detach()
                 pg, pm = policy_loss(logp, old_logp, mi.advantages, mi.loss_mask, cfg.clip_low, cfg.clip_high,
-                                     cfg.agg, cfg.dual_clip, denom=denom)
+                                     cfg.agg, denom=denom)
                 loss = pg - cfg.entropy_coef * aggregate(ent, mi.loss_mask, cfg.agg, denom)
                 if has_ref:
                     kl_tok = kl_penalty(logp, mi.ref_logp, cfg.kl_kind)  # [b, T]
@@ -752,24 +672,9 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     host = dict(zip(keys, stacked.tolist()))  # one sync for all metrics
     n_steps = steps_taken if steps_taken else math.nan
     n_tokens = host["tokens"] if host["tokens"] > 0 else math.nan
-    out = {
-        "train/pg_loss": host["pg_loss"] / n_steps,
-        "train/entropy": host["entropy"] / n_tokens,
-        "train/grad_norm": host["grad_norm"] / n_steps,
-        "train/pg_clipfrac": host["pg_clipfrac"] / n_tokens,
-        "train/pg_clipfrac_upper": host["pg_clipfrac_upper"] / n_tokens,
-        "train/pg_clipfrac_lower": host["pg_clipfrac_lower"] / n_tokens,
-        "train/approx_kl": host["approx_kl"] / n_tokens,
-    }
-    if cfg.dual_clip is not None:
-        out["train/pg_clipfrac_dual"] = host["pg_clipfrac_dual"] / n_tokens
-    if has_ref:
-        out["train/kl_to_init"] = host["kl_to_init"] / n_tokens
-        out["train/kl_loss"] = host["kl_loss"] / n_steps
-    if critic is not None:
-        out["train/value_loss"] = host["value_loss"] / n_steps
-        out["train/vf_clipfrac"] = host["vf_clipfrac"] / n_tokens
-        out["train/critic_grad_norm"] = host["critic_grad_norm"] / n_steps
+    absent = (set() if has_ref else {"kl_to_init", "kl_loss"}) | \
+        (set() if critic is not None else {"value_loss", "vf_clipfrac", "critic_grad_norm"})
+    out = {f"train/{k}": host[k] / (n_steps if k in PER_STEP else n_tokens) for k in keys[1:] if k not in absent}
     out["train/skipped_nonfinite"] = float(skipped)
     out["train/optimizer_steps"] = float(steps_taken)
     return out

@@ -20,30 +20,22 @@ token rewards or GRPO's loss, clip 0.2/0.2) and `--preset starpo-s`, `--no-respo
 shared` (the default), `--online-k`, `--loss-agg`, 400-token replies for hub models (500 on bandit).
 
 Deviations from the paper / RAGEN (deliberate):
-1. All randomness of iteration i (training seeds, sampling, mini-batch order) is derived from (seed, i), so
-   `--resume` reproduces an uninterrupted run exactly without saving generator states.
-2. Defaults for `--model tiny` (steps, learning rates, eval prompts) are chosen so that the main command
-   finishes within 20 minutes on a 2-core CPU; they also apply to folders holding a model of the tiny one's
-   size (policy.model_kind). The paper's values are the defaults of every other model and are printed in
-   the README's GPU command.
-3. Only the passes whose results are needed run: old log-probs, values and reference log-probs only for the
-   kept groups; no old-log-prob pass when the kept rows are one optimizer step (its first ratio is exactly 1,
-   starpo.update); with no KL term (StarPO-S) the reference runs only on the iterations that evaluate, so
-   `train/kl_to_init` is logged there (verl computes the reference every step).
+1. All randomness of iteration i (training seeds, sampling, mini-batch order) derives from (seed, i), so
+   `--resume` reproduces an uninterrupted run without saving generator states.
+2. `--model tiny` has its own defaults (steps, learning rates, eval prompts), sized for a 2-core CPU; every
+   other model gets the paper's.
+3. Only passes whose results are needed run: old log-probs, values and reference log-probs for the kept groups
+   only; no old-log-prob pass when the kept rows are one optimizer step (its ratio is exactly 1); without a KL
+   term the reference runs only on eval iterations, where `train/kl_to_init` is logged (verl: every step).
 4. The default trains only the sampled tokens (`--response-mask`, RAGEN's later default); the paper's runs
    trained every token after the system prompt (`--no-response-mask`).
-5. A batch whose groups all have zero reward std is logged (`train/skipped_zero_std` = 1) and, for GRPO, its
-   update is skipped: its advantages would all be 0, a silent no-op. PPO's advantages are R - V: it updates.
-6. The reference policy for KL is the initial policy, kept in memory (as verl's ref model).
-7. Data parallel under torchrun (distributed.py; RAGEN uses verl + Ray): each rank rolls out P / W whole prompt
-   groups; all P x N trajectories (small Python objects) are gathered on every rank, so the filter, GRPO
-   advantages and logged metrics are the single-process code on the same data; each rank computes old/ref
-   log-probs and values for its share of the rows and those are gathered too (GAE and whitening then see the
-   global batch); `update(shard=...)` trains each rank's rows of every mini-batch under DDP. Rank r samples
-   with the seed of iteration i plus r * 2**40 (rank 0 = the single-process stream), so a W-rank run is
-   reproducible (resume included) but samples differently from a run with another W.
-8. Only rank 0 logs, evaluates, plots and writes checkpoints; the others wait for it once per iteration.
-   `--resume` on several nodes needs the run folder on a shared filesystem (every rank reads the checkpoint).
+5. A batch whose groups all have zero reward std is logged (`train/skipped_zero_std`) and, for GRPO, skipped:
+   its advantages would all be 0. PPO's are R - V: it updates.
+6. The KL reference is the initial policy, kept in memory (as verl's ref model).
+7. Under torchrun (distributed.py; RAGEN: verl + Ray) each rank rolls out P / W whole groups; trajectories,
+   log-probs and values are gathered, so the filter, advantages and metrics are the single-process code on the
+   same data; rank r samples with iteration i's seed + r * 2**40 (reproducible, but W changes the samples).
+8. Only rank 0 logs, evaluates, plots and writes checkpoints; `--resume` on several nodes needs a shared folder.
 """
 from __future__ import annotations
 
@@ -55,7 +47,7 @@ import os
 import shutil
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +58,7 @@ import distributed as dist
 from advantages import (broadcast_to_tokens, gae, grpo_advantages, kl_penalized_rewards,
                         place_reward_on_last_token, whiten)
 from envs import ENVS, train_seeds
-from eval import evaluate, summarize
+from eval import evaluate, saved_rollout_settings, summarize
 from filter import select_groups
 from rollout import (RolloutConfig, Segment, default_reply_tokens, dump, rollout, rollout_rules,
                      trained_mask)
@@ -196,6 +188,15 @@ def derive(cfg: Config, explicit: set[str]) -> Config:
     cfg.groups_kept = max(1, int(cfg.filter * cfg.groups))
     cfg.out = cfg.out if cfg.out is not None else f"runs/{cfg.env}-{cfg.algo}-s{cfg.seed}"
     return cfg
+
+
+def inherit_rendering(cfg: Config, explicit: set[str]) -> Config:
+    """A --model folder saved by train.py or sft_baseline.py is trained on prompts rendered as it was trained
+    (history window, think mode, budgets, from its train_config.json), unless a flag says otherwise."""
+    inherited = {k: v for k, v in saved_rollout_settings(cfg.model, "--model").items() if k not in explicit}
+    if inherited:
+        print(f"rollout settings of {cfg.model}: {json.dumps(inherited)}")
+    return replace(cfg, **inherited)
 
 
 def rollout_config(cfg: Config, temperature: float) -> RolloutConfig:
@@ -504,7 +505,7 @@ def main(argv=None):
         if cfg.plot:
             print(plot_runs(cfg.plot, cfg.plot_out))
             return None
-        cfg = derive(resume_config(cfg, explicit) if cfg.resume else cfg, explicit)
+        cfg = derive(resume_config(cfg, explicit) if cfg.resume else inherit_rendering(cfg, explicit), explicit)
         out = Path(cfg.out) if cfg.resume else cli.run_folder(cfg.out, "--out", cfg.overwrite)
         if cfg.webshop_data and cfg.env != "webshop":
             raise ValueError(f"--webshop-data {cfg.webshop_data}: only for --env webshop (this run: --env {cfg.env})")

@@ -122,6 +122,19 @@ def test_presets_and_explicit_flags():
     assert (cfg.lr, cfg.critic_lr) == (1e-6, 1e-5)
 
 
+def test_a_trained_model_folder_lends_its_rendering_unless_a_flag_is_typed(tmp_path, capsys):
+    import cli
+    (tmp_path / "train_config.json").write_text(json.dumps({"context_turns": 1, "think": False, "lr": 3.0,
+                                                            "max_new_tokens": 60}))
+    parse = lambda args: train.inherit_rendering(*cli.parse(train.Config, args))  # noqa: E731
+    cfg = parse(["--model", str(tmp_path)])
+    assert (cfg.context_turns, cfg.think, cfg.max_new_tokens, cfg.lr) == (1, False, 60, None)  # rendering only
+    assert "rollout settings of" in capsys.readouterr().out
+    cfg = parse(["--model", str(tmp_path), "--context-turns", "0", "--think"])
+    assert (cfg.context_turns, cfg.think, cfg.max_new_tokens) == (0, True, 60)
+    assert parse([]).context_turns == 0  # the embedded policy has no saved settings
+
+
 def test_plot_writes_png(bandit_tiny, tmp_path):
     for name, std in (("a", 0.5), ("b", 0.05)):
         d = tmp_path / name
