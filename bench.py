@@ -410,7 +410,8 @@ def bench_gpu(args) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
     import random
     device = torch.device(args.device)
-    trajs = rollout("sokoban", train_seeds(0, 16), list(range(16)), RolloutConfig(), agent=random_agent(random.Random(0)))
+    trajs = rollout("sokoban", train_seeds(0, 16), list(range(16)), RolloutConfig(),
+                    agent=random_agent(random.Random(0)))
     texts = [m["content"] for t in trajs for m in t.messages] + [f"{r}\n" for r in ("system", "user", "assistant")]
     tok = build_tokenizer(texts + ["Reward: -0.1\nInvalid format or action.\n"], size=args.vocab)
     config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
@@ -449,11 +450,13 @@ def bench_gpu(args) -> dict:
     for i, r in enumerate(rows):
         print(f"[gpu] iteration {i + 1}: rollout {phases['rollout'][i]:.1f} s ({tokens[i]:.0f} sampled tokens, "
               f"{r['rollout/response_length']:.0f} per turn), prep {phases['prep'][i]:.1f} s, update "
-              f"{phases['update'][i]:.1f} s ({r.get('train/rows', 0):.0f} rows), iteration {phases['iteration'][i]:.1f} s")
+              f"{phases['update'][i]:.1f} s ({r.get('train/rows', 0):.0f} rows), "
+              f"iteration {phases['iteration'][i]:.1f} s")
     print(f"[gpu] peak memory {peak / 2 ** 30:.2f} GiB ({meter.method}); fits 24 GB: {'yes' if fits else 'no'}; "
           f"whole run {total:.0f} s (with loading, the final eval on 1 prompt and saving final/)")
     return {"peak_gib": peak / 2 ** 30, "fits_24gb": fits, "phases": phases, "parameters": n_params,
-            "response_length": [r["rollout/response_length"] for r in rows], "rows": [r.get("train/rows") for r in rows]}
+            "response_length": [r["rollout/response_length"] for r in rows],
+            "rows": [r.get("train/rows") for r in rows]}
 
 
 SECTIONS = {
@@ -504,7 +507,8 @@ def main(argv=None):
                      for k in counts]
                   + [(args.rollout_n >= 2, f"--rollout-n {args.rollout_n}: must be >= 2"),
                      (args.gpu_rollouts >= 2, f"--gpu-rollouts {args.gpu_rollouts}: must be >= 2"),
-                     (args.fused_chunk is None or args.fused_chunk >= 1, f"--fused-chunk {args.fused_chunk}: must be >= 1"),
+                     (args.fused_chunk is None or args.fused_chunk >= 1,
+                      f"--fused-chunk {args.fused_chunk}: must be >= 1"),
                      (args.rollout_temperature >= 0, f"--rollout-temperature {args.rollout_temperature}: must be >= 0"),
                      (0 < args.gpu_filter <= 1, f"--gpu-filter {args.gpu_filter}: must be in (0, 1]")])
         temps = [cli.finite_float(t) for t in args.prior_temperatures.split(",")]

@@ -124,7 +124,8 @@ def ddp(module: torch.nn.Module | None, device: torch.device):
     gradients only for what runs inside its own forward: wrap the module whose forward the loss calls."""
     if module is None or world_size() == 1:
         return module
-    return torch.nn.parallel.DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None)
+    ids = [device.index] if device.type == "cuda" else None
+    return torch.nn.parallel.DistributedDataParallel(module, device_ids=ids)
 
 
 def weights_digest(*modules: torch.nn.Module | None) -> str:

@@ -303,7 +303,8 @@ class ReplyCache(DynamicCache):
     def batch_select_indices(self, indices: torch.Tensor):
         """Keep rows `indices` (repeats allowed), copying only the filled columns."""
         for layer_idx, ((k, v), n) in enumerate(zip(self.buffers, self.filled)):
-            self.buffers[layer_idx] = (k.new_empty((len(indices), *k.shape[1:])), v.new_empty((len(indices), *v.shape[1:])))
+            self.buffers[layer_idx] = (k.new_empty((len(indices), *k.shape[1:])),
+                                       v.new_empty((len(indices), *v.shape[1:])))
             self.buffers[layer_idx][0][:, :, :n] = k[indices, :, :n]
             self.buffers[layer_idx][1][:, :, :n] = v[indices, :, :n]
             self._expose(layer_idx)

@@ -23,10 +23,10 @@ Deviations from the paper / RAGEN (deliberate):
    per turn), 3,000 expert trajectories x 3 epochs in batches of 16 at lr 2e-3, AdamW beta2 0.95: what fits
    10 CPU minutes (docs/sft.md has the search). Hub models get the paper's values (1,000 trajectories, LoRA
    r64 / alpha 32, lr 1e-4, batch 128, 5 epochs, the whole conversation, beta2 0.999).
-2. A reading curriculum comes first (`--read-steps`, tiny default {READ}, hub models 0): short examples, each
-   state the expert met alone, answered by where things are (`env.describe()`). A model that cannot yet read
-   the board sits on a plateau at chance for a number of steps that varied from run to run and decided the
-   result; reading first removes that dependence (docs/sft.md, seed by seed).
+2. A curriculum of short examples comes first (`--short-steps`, tiny default 400 steps of 32, hub models 0):
+   each state the expert met, shown alone ("State:\n<grid>"), answered by the expert's reply to it. Without
+   it the tiny model sat on a plateau at chance for a number of steps that varied with the seed and the CPU
+   and decided the result; a short example costs ~1/3 of a full one (docs/sft.md has the seeds).
 3. The expert answers with `--expert-actions` moves per turn, default ceil(max_actions / max_turns) = 2 (one
    move per turn caps the expert at 73% of the eval rooms in 5 turns; two, 99.6%). On slippery FrozenLake a
    turn's later moves know the earlier moves' slips (the plan runs on a copy of the env), which the policy
@@ -58,14 +58,14 @@ from envs import ENVS, train_seeds
 from eval import evaluate
 from rollout import default_reply_tokens, dump, expert_agent, rollout, rollout_rules
 from starpo import make_optimizer, shared_prefix_len, token_logprobs
-from train import rollout_config, save_final
+from train import load_model_and_env, rollout_config, save_final
 
 # Per-model defaults for fields left at None. Qwen: the paper's (Appendix G). tiny: what trains on a CPU.
 MODEL_DEFAULTS = {
     "tiny": dict(train_trajectories=3000, epochs=3, lr=2e-3, adam_beta2=0.95, lora_rank=0, context_turns=1,
-                 batch=16, micro_batch=16, read_steps=300),
+                 batch=16, micro_batch=16, short_steps=400),
     "hf": dict(train_trajectories=1000, epochs=5, lr=1e-4, adam_beta2=0.999, lora_rank=64, context_turns=0,
-               batch=128, micro_batch=4, read_steps=0),
+               batch=128, micro_batch=4, short_steps=0),
 }
 WARMUP_FRACTION = 0.05
 MAX_GRAD_NORM = 1.0
@@ -94,10 +94,10 @@ class Config:
     lr: float | None = cli.flag(None, "peak learning rate (default: tiny 2e-3, hub models 1e-4)")
     adam_beta2: float | None = cli.flag(None, "AdamW's beta2, the decay of its squared-gradient average (default: "
                                               "tiny 0.95, hub models torch's 0.999)")
-    read_steps: int | None = cli.flag(None, "a reading curriculum first: this many steps on the expert's prompts "
-                                            "answered by the start of its thought only, where things are "
-                                            "(default: tiny 300, hub models 0)")
-    read_batch: int = cli.flag(16, "sequences per step of the reading curriculum")
+    short_steps: int | None = cli.flag(None, "a curriculum, short examples first: this many steps on the expert's "
+                                            "states shown alone, each answered by its reply, before the epochs "
+                                            "(default: tiny 400, hub models 0)")
+    short_batch: int = cli.flag(32, "sequences per step of the short examples")
     lora_rank: int | None = cli.flag(None, "LoRA rank r, 0 = full fine-tuning (default: tiny 0, hub models 64)")
     lora_alpha: float = cli.flag(32.0, "LoRA alpha (the update is scaled by alpha / r)")
     eval_every: int = cli.flag(0, "also evaluate every this many epochs (0 = only the kept policy, at the end)")
@@ -130,8 +130,8 @@ def derive(cfg: Config, explicit: set[str]) -> Config:
         (1 <= cfg.expert_actions <= cfg.max_actions_per_turn,
          f"--expert-actions {cfg.expert_actions}: must be in 1..{cfg.max_actions_per_turn} (--max-actions-per-turn)"),
         (cfg.epochs >= 1, f"--epochs {cfg.epochs}: must be >= 1"),
-        (cfg.read_steps >= 0, f"--read-steps {cfg.read_steps}: must be >= 0 (0 = no curriculum)"),
-        (cfg.read_batch >= 1, f"--read-batch {cfg.read_batch}: must be >= 1"),
+        (cfg.short_steps >= 0, f"--short-steps {cfg.short_steps}: must be >= 0 (0 = no curriculum)"),
+        (cfg.short_batch >= 1, f"--short-batch {cfg.short_batch}: must be >= 1"),
         (cfg.batch >= 1, f"--batch {cfg.batch}: must be >= 1"),
         (cfg.micro_batch >= 1, f"--micro-batch {cfg.micro_batch}: must be >= 1"),
         (cfg.lr > 0, f"--lr {cfg.lr}: must be > 0"),
@@ -217,31 +217,18 @@ def expert_trajectories(env: str, seeds: list[int], rcfg, tok, actions_per_turn:
                    env_overrides=env_overrides)
 
 
-def reading_examples(env_name: str, trajs, tok, env_overrides: dict | None = None) -> list:
-    """The curriculum's short examples: the expert's own prompts, turn by turn, answered by the start of its
-    thought only, where things are (env.describe(), found by replaying the expert's actions from the seed):
-    the first part of the very reply the epochs train. [] for an env that cannot describe its state."""
-    from envs import make_env
-    from rollout import Segment
-    env = make_env(env_name, **(env_overrides or {}))
-    if not hasattr(env, "describe"):
-        return []
-    out = []
+def short_examples(trajs, tok, rcfg) -> list:
+    """The curriculum's short examples: each state the expert met, shown alone ("State:\n<grid>": no system
+    prompt, instructions or history), answered by the expert's own reply to it."""
+    from rollout import Segment, prefill
+    tag, out = prefill(rcfg), []
     for t in trajs:
-        env.reset(t.seed)
-        segs = t.segments
-        windowed = len(segs) == len(t.turns)  # one segment per turn (a history window), else one in all
-        for k, turn in enumerate(t.turns):
-            # the turn's prompt ends where its reply's trained tokens start: the first trained run of its own
-            # segment, or the k-th of the whole conversation's
-            seg = segs[k] if windowed else segs[0]
-            starts = [i for i, m in enumerate(seg.loss_mask) if m and (i == 0 or not seg.loss_mask[i - 1])]
-            start = starts[0 if windowed else k]
-            said = tok(" " + env.describe() + ".", add_special_tokens=False)["input_ids"]
-            out.append(Segment(seg.input_ids[:start] + said, [0] * start + [1] * len(said)))
-            for a in turn.actions:
-                if not env.done:
-                    env.step(a)
+        for turn in t.turns:
+            prompt = tok.apply_chat_template([{"role": "user", "content": f"State:\n{turn.obs}\n"}], tokenize=False,
+                                             add_generation_prompt=True) + tag
+            ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            said = tok(turn.reply[len(tag):], add_special_tokens=False)["input_ids"]
+            out.append(Segment(ids + said, [0] * len(ids) + [1] * len(said)))
     return out
 
 
@@ -345,19 +332,14 @@ def main(argv=None):
         out = cli.run_folder(cfg.out, "--out", cfg.overwrite)
     except ValueError as e:
         cli.fail(str(e))
-    from policy import autocast_dtype, load_policy, pick_device, set_cpu_threads
+    from policy import autocast_dtype, pick_device, set_cpu_threads
 
     # ---- model (+ LoRA), optimizer
     t_start = time.time()
     try:
         device = pick_device(cfg.device)
         set_cpu_threads(device, cfg.threads)
-        policy, tok, path = load_policy(cfg.model, device)
-        positions = getattr(policy.config, "max_position_embeddings", None)
-        if positions is not None and cfg.max_new_tokens >= positions:
-            raise ValueError(f"--max-new-tokens {cfg.max_new_tokens}: the model reads at most {positions} positions")
-        env_overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
-        ENVS[cfg.env](**env_overrides)  # fail now, not mid-run, on a bad env override
+        policy, tok, path, env_overrides = load_model_and_env(cfg, device)
     except ValueError as e:
         cli.fail(str(e))
     if cfg.overwrite and out.exists():  # the inputs are good: only now is the earlier run replaced
@@ -379,16 +361,15 @@ def main(argv=None):
     train_trajs, test_trajs = trajs[:cfg.train_trajectories], trajs[cfg.train_trajectories:]
     train_segs = [s for t in train_trajs for s in t.segments]
     test_segs = [s for t in test_trajs for s in t.segments]
-    reading = reading_examples(cfg.env, train_trajs, tok, env_overrides) if cfg.read_steps else []
-    read_steps = cfg.read_steps if reading else 0
+    short = short_examples(train_trajs, tok, eval_rcfg)
     per_epoch = math.ceil(len(train_segs) / cfg.batch)
-    cfg.steps = read_steps + cfg.epochs * per_epoch
+    cfg.steps = cfg.short_steps + cfg.epochs * per_epoch
     n_tok, n_all = (sum(sum(s.loss_mask) for s in train_segs), sum(len(s.input_ids) for s in train_segs))
     solved = sum(t.success for t in train_trajs) / len(train_trajs)
     print(f"expert data: {len(train_segs)} train / {len(test_segs)} test sequences from {len(train_trajs)} / "
           f"{len(test_trajs)} trajectories (expert success {solved:.3f}), {n_tok / len(train_segs):.1f} trained "
-          f"of {n_all / len(train_segs):.0f} tokens per sequence; {len(reading)} short examples for "
-          f"{read_steps} curriculum steps; {time.time() - t0:.1f}s")
+          f"of {n_all / len(train_segs):.0f} tokens per sequence; {len(short)} short examples for "
+          f"{cfg.short_steps} curriculum steps; {time.time() - t0:.1f}s")
     unknown = unknown_words(tok, trajs)
     if unknown:
         print(f"warning: the tokenizer has no tokens for {unknown} in the expert's replies: trained as <unk>")
@@ -410,12 +391,12 @@ def main(argv=None):
     for it in bar:
         t0 = time.time()
         # 1. one optimizer step: first the curriculum's short examples (epoch 0), then the expert's sequences
-        if it < read_steps:
+        if it < cfg.short_steps:
             epoch, k = -1, it
-            rows = torch.randperm(len(reading), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 - it - 1))
-            segs = [reading[i] for i in rows[:cfg.read_batch].tolist()]
+            rows = torch.randperm(len(short), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 - it - 1))
+            segs = [short[i] for i in rows[:cfg.short_batch].tolist()]
         else:
-            epoch, k = divmod(it - read_steps, per_epoch)
+            epoch, k = divmod(it - cfg.short_steps, per_epoch)
             if k == 0:
                 order = batch_order(len(train_segs), cfg.batch, cfg.seed, epoch)
             segs = [train_segs[i] for i in order[k]]

@@ -199,6 +199,20 @@ def inherit_rendering(cfg: Config, explicit: set[str]) -> Config:
     return replace(cfg, **inherited)
 
 
+def load_model_and_env(cfg, device):
+    """-> (policy, tokenizer, its path, env overrides), checked: a reply budget the model cannot read, or a bad
+    env override, fails here, before a run writes anything (train.py and sft_baseline.py)."""
+    from policy import load_policy
+    with dist.main_first():  # rank 0 builds (tiny) or downloads the model into the cache, then the others load
+        policy, tok, path = load_policy(cfg.model, device)
+    positions = getattr(policy.config, "max_position_embeddings", None)
+    if positions is not None and cfg.max_new_tokens >= positions:
+        raise ValueError(f"--max-new-tokens {cfg.max_new_tokens}: the model reads at most {positions} positions")
+    env_overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
+    ENVS[cfg.env](**env_overrides)
+    return policy, tok, path, env_overrides
+
+
 def rollout_config(cfg: Config, temperature: float) -> RolloutConfig:
     return RolloutConfig(max_turns=cfg.max_turns, max_actions_per_turn=cfg.max_actions_per_turn,
                          max_actions=cfg.max_actions, format_penalty=cfg.format_penalty, think=cfg.think,
@@ -312,7 +326,8 @@ def echo_check(mon: EchoMonitor, m: dict, baseline_iters: int = 5, std_ratio: fl
     if g is not None and math.isfinite(g):
         past = mon.grad_history[-window:]
         if len(past) >= 5 and g > grad_factor * statistics.median(past):
-            warnings["grad_spike"] = f"grad norm {g:.3g} > {grad_factor}x its running median {statistics.median(past):.3g}"
+            warnings["grad_spike"] = (f"grad norm {g:.3g} > {grad_factor}x its running median "
+                                      f"{statistics.median(past):.3g}")
         mon.grad_history.append(g)
     e = m.get("train/entropy")
     if e is not None and math.isfinite(e):
@@ -478,7 +493,8 @@ def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
                 continue
             ax.plot(xs, ys, color=color, lw=0.8, alpha=0.3)
             ax.plot(xs, running_mean(list(ys)), color=color, lw=2, label=label)
-            fired = [(x, y) for x, y, r in zip(xs, ys, [r for r in rows if key in r]) if signal and r.get(f"echo/{signal}")]
+            fired = [(x, y) for x, y, r in zip(xs, ys, [r for r in rows if key in r])
+                     if signal and r.get(f"echo/{signal}")]
             if fired:
                 ax.scatter(*zip(*fired), color=color, marker="x", s=40, zorder=3)
     last = max((r["step"] for rows in runs.values() for r in rows), default=1)
@@ -522,13 +538,7 @@ def main(argv=None):
             raise ValueError(f"--prompts {cfg.prompts}{k}: must be divisible by the number of processes "
                              f"({dist.world_size()}); a prompt group never splits across processes")
         set_cpu_threads(device, cfg.threads)
-        with dist.main_first():  # rank 0 builds (tiny) or downloads the model into the cache, then the others load
-            policy, tok, path = load_policy(cfg.model, device)
-        positions = getattr(policy.config, "max_position_embeddings", None)
-        if positions is not None and cfg.max_new_tokens >= positions:
-            raise ValueError(f"--max-new-tokens {cfg.max_new_tokens}: the model reads at most {positions} positions")
-        env_overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
-        ENVS[cfg.env](**env_overrides)  # fail now, not mid-run, on a bad env override
+        policy, tok, path, env_overrides = load_model_and_env(cfg, device)
         critic = load_critic(path, device) if cfg.algo == "ppo" else None
         ref = copy.deepcopy(policy).eval().requires_grad_(False)  # the initial policy: KL anchor and monitor
         found = read_checkpoint(out, device) if cfg.resume else None

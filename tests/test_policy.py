@@ -124,7 +124,8 @@ def test_warm_up_also_models_the_observations(tmp_path):
                model_cfg=MICRO["model_cfg"])
     nll = {}
     for w in (0.0, 1.0):
-        path = policy.ensure_tiny(str(tmp_path), progress=False, **{**cfg, "warmup": {**cfg["warmup"], "obs_weight": w}})
+        warmup = {**cfg["warmup"], "obs_weight": w}
+        path = policy.ensure_tiny(str(tmp_path), progress=False, **{**cfg, "warmup": warmup})
         model, tok, _ = policy.load_policy(path)
         segs = [s for t in R.rollout("sokoban", list(range(5000, 5008)), list(range(8)), R.RolloutConfig(),
                                      tokenizer=tok, agent=R.random_agent(random.Random(0)))

@@ -250,9 +250,9 @@ def test_generate_returns_each_rows_cache_of_what_it_ran(small):
     the last; running the same tokens from scratch gives the same keys and values. Identical prompts (dedupe)
     and a shared header are both on."""
     model, tok = small
-    prompts = [R.render_ids(tok, R.window_messages(R.header_text(make_env("sokoban"), R.RolloutConfig()),
-                                                    [R.turn_text(1, make_env("sokoban").reset(s), 10, R.RolloutConfig())],
-                                                    [], 0), R.RolloutConfig()) for s in (1000, 1000, 1001)]
+    cfg, header = R.RolloutConfig(), R.header_text(make_env("sokoban"), R.RolloutConfig())
+    prompts = [R.render_ids(tok, R.window_messages(header, [R.turn_text(1, make_env("sokoban").reset(s), 10, cfg)],
+                                                    [], 0), cfg) for s in (1000, 1000, 1001)]
     sampled, caches = R.generate(model, tok, prompts, 12, 1.0, torch.Generator().manual_seed(0), keep_cache=True,
                                  dedupe=True)
     for p, s, c in zip(prompts, sampled, caches):

@@ -166,23 +166,22 @@ def test_expert_data_round_trips_with_the_mask_on_the_replies(env):
 
 
 @pytest.mark.parametrize("env", ["sokoban", "frozenlake"])
-@pytest.mark.parametrize("ctx", [1, 0])
-def test_reading_examples_are_the_experts_prompts_answered_by_where_things_are(env, ctx):
-    cfg = RolloutConfig(context_turns=ctx)
+@pytest.mark.parametrize("think", [True, False])
+def test_short_examples_are_each_state_alone_answered_by_the_experts_reply(env, think):
+    cfg = RolloutConfig(context_turns=1, think=think)
     tok = expert_tokenizer([env], [cfg])
     trajs = sft.expert_trajectories(env, list(range(1000, 1006)), cfg, tok, 2)
-    segs = sft.reading_examples(env, trajs, tok)
-    assert len(segs) == sum(len(t.turns) for t in trajs)
-    expert = [(t, k) for t in trajs for k in range(len(t.turns))]
-    for seg, (t, k) in zip(segs, expert):
+    segs = sft.short_examples(trajs, tok, cfg)
+    turns = [turn for t in trajs for turn in t.turns]
+    assert len(segs) == len(turns)
+    for seg, turn in zip(segs, turns):
         (a, b), = runs(seg.loss_mask)
-        assert b == len(seg.input_ids)
-        full = t.segments[k] if ctx else t.segments[0]
-        # the prompt is the expert's own at that turn, and the answer the first tokens of its reply ...
-        assert seg.input_ids == full.input_ids[:b] and full.loss_mask[a:b] == [1] * (b - a)
-        assert runs(full.loss_mask)[0 if ctx else k][0] == a  # where the turn's reply starts
-        said = tok.decode(seg.input_ids[a:b], skip_special_tokens=False).strip()
-        assert said.startswith("player at ") and said.endswith(".") and "push" not in said  # ... where things are
+        assert b == len(seg.input_ids)  # the reply is the last thing in the example, and the only one trained
+        prompt = tok.decode(seg.input_ids[:a], skip_special_tokens=False)
+        assert f"State:\n{turn.obs}\n" in prompt and "Turn" not in prompt and prompt.endswith(prefill(cfg))
+        assert len(seg.input_ids) < 0.6 * min(len(s.input_ids) for s in trajs[0].segments)  # short
+        said = tok.decode(seg.input_ids[a:b], skip_special_tokens=False)
+        assert said.split() == turn.reply[len(prefill(cfg)):].split()
 
 
 def test_data_seeds_are_disjoint_from_each_other_and_from_eval():
@@ -267,7 +266,7 @@ def test_smoke_run_exports_the_lowest_test_loss_and_eval_loads_it(tiny_path, tmp
     out = tmp_path / "run"
     cmd = [sys.executable, "sft_baseline.py", "--env", "sokoban", "--model", tiny_path, "--train-trajectories",
            "16", "--test-trajectories", "4", "--epochs", "3", "--batch", "8", "--lora-rank", "4", "--lr", "3e-3",
-           "--context-turns", "1", "--eval-prompts", "4", "--read-steps", "3", "--read-batch", "4", "--out", str(out)]
+           "--context-turns", "1", "--eval-prompts", "4", "--short-steps", "3", "--short-batch", "4", "--out", str(out)]
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     final = out / "final"
