@@ -4,7 +4,7 @@
     python eval.py --env sokoban --policy runs/sft-sokoban-s0/final
     python sft_baseline.py --env sokoban --model Qwen/Qwen2.5-0.5B-Instruct    # the paper: LoRA 64/32, 1 GPU
 
-One loop, top to bottom: training (paper: 1,000; tiny default 3,000) and 100 test trajectories of the
+One loop, top to bottom: training (paper: 1,000; tiny default 2,800) and 100 test trajectories of the
 environment's expert (Sokoban: the fewest-moves BFS plan; FrozenLake: the success-maximising policy), on seeds
 that never meet the 256 eval seeds, rendered by rollout.py exactly as RL rollouts are (system prompt, chat
 template, turn texts, pre-filled tag, history window `--context-turns`), so the loss mask is 1 exactly on the
@@ -20,10 +20,10 @@ frozen, A random, B = 0, so training starts exactly at the pretrained model; exp
 Deviations from the paper / RAGEN (deliberate):
 1. `--model tiny` defaults (also for folders of its size, policy.model_kind): full fine-tuning (`--lora-rank
    0`: a rank-64 adapter on a 128-wide layer is as large as the layer), a 1-turn history window (one example
-   per turn), 3,000 expert trajectories x 3 epochs in batches of 16 at lr 2e-3, AdamW beta2 0.95: what fits
+   per turn), 2,800 expert trajectories x 3 epochs in batches of 16 at lr 2e-3, AdamW beta2 0.95: what fits
    10 CPU minutes (docs/sft.md has the search). Hub models get the paper's values (1,000 trajectories, LoRA
    r64 / alpha 32, lr 1e-4, batch 128, 5 epochs, the whole conversation, beta2 0.999).
-2. A curriculum of short examples comes first (`--short-steps`, tiny default 400 steps of 32, hub models 0):
+2. A curriculum of short examples comes first (`--short-steps`, tiny default 300 steps of 32, hub models 0):
    each state the expert met, shown alone ("State:\n<grid>"), answered by the expert's reply to it. Without
    it the tiny model sat on a plateau at chance for a number of steps that varied with the seed and the CPU
    and decided the result; a short example costs ~1/3 of a full one (docs/sft.md has the seeds).
@@ -62,8 +62,8 @@ from train import load_model_and_env, rollout_config, save_final
 
 # Per-model defaults for fields left at None. Qwen: the paper's (Appendix G). tiny: what trains on a CPU.
 MODEL_DEFAULTS = {
-    "tiny": dict(train_trajectories=3000, epochs=3, lr=2e-3, adam_beta2=0.95, lora_rank=0, context_turns=1,
-                 batch=16, micro_batch=16, short_steps=400),
+    "tiny": dict(train_trajectories=2800, epochs=3, lr=2e-3, adam_beta2=0.95, lora_rank=0, context_turns=1,
+                 batch=16, micro_batch=16, short_steps=300),
     "hf": dict(train_trajectories=1000, epochs=5, lr=1e-4, adam_beta2=0.999, lora_rank=64, context_turns=0,
                batch=128, micro_batch=4, short_steps=0),
 }
@@ -74,7 +74,7 @@ MAX_GRAD_NORM = 1.0
 @dataclass
 class Config:
     env: str = cli.flag("sokoban", "environment", choices=ENVS)
-    train_trajectories: int | None = cli.flag(None, "expert trajectories to train on (default: tiny 3,000, hub "
+    train_trajectories: int | None = cli.flag(None, "expert trajectories to train on (default: tiny 2,800, hub "
                                                     "models the paper's 1,000)")
     test_trajectories: int = cli.flag(100, "expert trajectories for the test loss (paper: 100)")
     expert_actions: int | None = cli.flag(None, "expert moves per turn (default: ceil(max-actions / max-turns))")
@@ -96,7 +96,7 @@ class Config:
                                               "tiny 0.95, hub models torch's 0.999)")
     short_steps: int | None = cli.flag(None, "a curriculum, short examples first: this many steps on the expert's "
                                             "states shown alone, each answered by its reply, before the epochs "
-                                            "(default: tiny 400, hub models 0)")
+                                            "(default: tiny 300, hub models 0)")
     short_batch: int = cli.flag(32, "sequences per step of the short examples")
     lora_rank: int | None = cli.flag(None, "LoRA rank r, 0 = full fine-tuning (default: tiny 0, hub models 64)")
     lora_alpha: float = cli.flag(32.0, "LoRA alpha (the update is scaled by alpha / r)")
