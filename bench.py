@@ -3,12 +3,12 @@
 Sections (a plain dict below, SECTIONS):
   fused  forward + backward of the fused chunked log-prob/entropy path (starpo.fused_logprobs_entropy) against
          the naive full-logits path at the Qwen2.5-0.5B head shape (H = 896, V = 151,936), fp32: median time
-         and peak memory of each, and the ratio fused/naive measured in the same run (issue 4 target: peak
-         memory <= 1/8 of naive, time <= 1.3x). The issue's shape is 4 x 1024 tokens:
+         and peak memory of each, and the ratio fused/naive measured in the same run (the targets: peak
+         memory <= 1/8 of naive, time <= 1.3x). The reference shape is 4 x 1024 tokens:
              python bench.py fused --fused-seqs 4 --fused-seq-len 1024
          (about 12 GB of RAM and about 10 minutes on one CPU thread). The default, 1 x 1024 tokens in chunks
          of 256 (the same 4 chunks per call), stays near two minutes on a 2-core laptop; at so few tokens the
-         fixed 519 MiB weight gradient dominates the fused peak, so read the memory target at the issue's shape.
+         fixed 519 MiB weight gradient dominates the fused peak, so read the memory target at the reference shape.
   rollout  generated tokens/s of rollout.rollout (all live episodes of a turn in one batch) against a loop that
          runs one episode at a time, and against the batched loop without the shared prompt header
          (RolloutConfig.share_prefix=False: every row prefills its whole prompt), for P = 8 prompts x N = 16
@@ -18,7 +18,7 @@ Sections (a plain dict below, SECTIONS):
          the expert) with the prompt header that all rows share run once (prefix_len) vs in every row, and
          with the LM head run on the reply tokens only (positions=, as sft_baseline.py does).
   prior  the untrained policy on every env, think and no-think, at temperatures 0.5 (eval) and 1.0 (training):
-         well-formed replies per turn (issue 3 target >= 90%), valid actions, success, next to the random
+         well-formed replies per turn (the target: >= 90%), valid actions, success, next to the random
          agent's success on the same 64 eval seeds (a markdown table for the README).
 
 Peak memory: on CUDA, torch.cuda.max_memory_allocated() minus the allocation before the call (exact, counts
@@ -27,7 +27,7 @@ high-water mark VmHWM is reset through /proc/self/clear_refs before each call an
 before it; this counts every page the process touched, so it is slightly pessimistic but never misses a
 short-lived tensor. Where that reset is not allowed, a thread samples VmRSS every millisecond instead (can miss
 peaks shorter than that). Either way the measured path runs with torch.set_num_threads(--threads), default 1:
-with 2 threads small forward/backward passes were erratic on these machines (see the developers' guide).
+with 2 threads small forward/backward passes were erratic and up to 10x slower on 2-core machines.
 
 Deviations from the paper / RAGEN: none; these are measurements, not methods (the paper reports no such
 benchmarks). The `fused` section times fp32 on CPU; the paper's runs use bf16 on GPU.
@@ -381,7 +381,7 @@ def bench_prior(args) -> dict:
             mode = "think" if think else "no-think"
             print(f"[prior] | {env} | {mode} | " + " | ".join(cells) + f" | {rnd_success:.0%} |", flush=True)
     worst = min(r["parsed"] for r in results.values())
-    print(f"[prior] lowest parsed rate over all rows: {worst:.1%} (issue 3 target >= 90%); "
+    print(f"[prior] lowest parsed rate over all rows: {worst:.1%} (target >= 90%); "
           f"{time.perf_counter() - t0:.0f} s")
     return {"min_parsed": worst, "rows": {f"{e}/{'think' if th else 'no-think'}/T={t:g}": r
                                          for (e, th, t), r in results.items()}}
@@ -474,13 +474,13 @@ def main(argv=None):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see docstring)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per path (median reported)")
-    parser.add_argument("--fused-seqs", type=int, default=1, help="sequences (issue 4 shape: 4)")
-    parser.add_argument("--fused-seq-len", type=int, default=1024, help="tokens per sequence (issue 4: 1024)")
+    parser.add_argument("--fused-seqs", type=int, default=1, help="sequences (reference shape: 4)")
+    parser.add_argument("--fused-seq-len", type=int, default=1024, help="tokens per sequence (reference: 1024)")
     parser.add_argument("--fused-hidden", type=int, default=896, help="H, Qwen2.5-0.5B: 896")
     parser.add_argument("--fused-vocab", type=int, default=151936, help="V, Qwen2.5: 151936")
     parser.add_argument("--fused-chunk", type=int, default=None,
                         help="tokens per chunk of the fused path (default: tokens / 4, at most 1024, i.e. 1024 "
-                             "= UpdateConfig.chunk_size at the issue's shape)")
+                             "= UpdateConfig.chunk_size at the reference shape)")
     parser.add_argument("--model", default="tiny", help="policy for rollout/prior: tiny, a folder or a hub id")
     parser.add_argument("--rollout-env", default="sokoban")
     parser.add_argument("--rollout-prompts", type=int, default=8, help="P prompts (paper: 8)")

@@ -51,7 +51,7 @@ Deliberate deviations from WebShop / RAGEN:
    changes the page and is an effective action.
 2. Search is BM25 on our own tokens (lowercase alphanumerics, a classic English stopword list, a plural-s
    strip instead of Lucene's Porter stemmer) over title + description + all features + attributes +
-   options (WebShop's index: title + description + first feature + options; the issue adds attributes).
+   options (WebShop's index: title + description + first feature + options; attributes added for search).
 3. Type reward: WebShop keeps the nouns of both product names with spaCy; spaCy is not available here, so
    "nouns" are the words of the name minus stopwords and a list of common adjectives/colours (NOT_NOUNS).
    Fuzzy matching (thefuzz token_set_ratio > 85) is re-implemented with difflib.
@@ -61,8 +61,8 @@ Deliberate deviations from WebShop / RAGEN:
    (0) over the goals in file order) and the price of products listed with a price range (uniform in the
    range, seeded by the asin). The same files therefore always give the same goals.
 6. The split is chosen by the seed (EVAL_SEEDS or not), not by RAGEN's mode argument, since reset(seed)
-   has no mode. Synthetic goals (`human_goals=False`, RAGEN's default; the issue asks for the human
-   instruction file, our default) are supported; their sampling weights are not used (goals are indexed).
+   has no mode. Synthetic goals (`human_goals=False`, RAGEN's default) are supported (our default: the human
+   instruction file); their sampling weights are not used (goals are indexed).
 7. Buttons win over option values with the same label, and of two option groups with the same value the
    first wins (WebShop: the last one read). Product ids are matched case-insensitively.
 8. The expert is a privileged scripted policy: it searches with the goal's instruction (price clause and
@@ -414,23 +414,6 @@ def generate_catalogue(num_products: int = DEFAULT_NUM_PRODUCTS, seed: int = 0):
             human[asin].append({"asin": asin, "instruction": text, "instruction_attributes": want,
                                 "instruction_options": list(picks.values())})
     return products, attributes, human, reviews
-
-
-def catalogue_problems(products: list[dict]) -> list[str]:
-    """What would make the reward dishonest on a catalogue: an attribute the product lacks still counted
-    (fuzzy or substring match), or a wrong option value counted as the goal's. Empty for the shipped one."""
-    problems = []
-    pool = sorted({a for p in products for a in p["Attributes"]})
-    for p in products:
-        for a in pool:
-            if a not in p["Attributes"] and attribute_matches(p, [a]):
-                problems.append(f"{p['asin']}: attribute {a!r} counted but not listed")
-        for oname, values in p["options"].items():
-            for v in values:
-                for other in values:
-                    if other != v and option_match(p, oname, v, [normalize_color(other)]):
-                        problems.append(f"{p['asin']}: {oname} {v!r} counted as {other!r}")
-    return problems
 
 
 def write_catalogue(out_dir: str, num_products: int = DEFAULT_NUM_PRODUCTS, seed: int = 0) -> list[str]:
@@ -919,24 +902,6 @@ class WebShopEnv:
             if self._options.get(oname) != v and el == ("option", oname, v):
                 return f"click[{v}]"
         return f"click[{BUY}]"
-
-    # ------------------------------------------------------------------ vocabulary
-    def vocabulary(self) -> list[str]:
-        """Distinct words a policy can meet here (instruction, page furniture, products, goals), split as a
-        word-level tokenizer with digit splitting would: letter runs, single digits, single symbols."""
-        texts = [INSTRUCTION, " ".join(self.actions), BACK, NEXT, PREV, BUY, " ".join(SUBPAGES),
-                 "Search page: type search[words]. Results for : page of ( total) Price: , Rating: "
-                 "Selected: Description: Features: Reviews: none You bought ( no options). Score: 0.00"]
-        for p in self._shop.products:
-            texts += [p["asin"], p["Title"], p["Price"], str(p["Rating"]), _cut(p["Description"]),
-                      _cut("; ".join(p["BulletPoints"]))]
-            texts += [f"{k}: {' '.join(v)}" for k, v in p["options"].items()]
-            texts += [f"({r['score']}) {r['body']}" for r in p["Reviews"]]
-        texts += [g["instruction_text"] for g in self._shop.goals]
-        words = set()
-        for t in texts:
-            words.update(re.findall(r"[A-Za-z]+|[0-9]|[^\sA-Za-z0-9]", t))
-        return sorted(words)
 
 
 # ----------------------------------------------------------------------------- CLI

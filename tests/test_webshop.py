@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 
 import pytest
@@ -366,13 +367,48 @@ def test_written_catalogue_loads_like_the_generated_one(tmp_path, env):
 
 # ----------------------------------------------------------------------------- catalogue, split, determinism
 
+def catalogue_problems(products: list[dict]) -> list[str]:
+    """What would make the reward dishonest on a catalogue: an attribute the product lacks still counted
+    (fuzzy or substring match), or a wrong option value counted as the goal's. Empty for the shipped one."""
+    problems = []
+    pool = sorted({a for p in products for a in p["Attributes"]})
+    for p in products:
+        for a in pool:
+            if a not in p["Attributes"] and ws.attribute_matches(p, [a]):
+                problems.append(f"{p['asin']}: attribute {a!r} counted but not listed")
+        for oname, values in p["options"].items():
+            for v in values:
+                for other in values:
+                    if other != v and ws.option_match(p, oname, v, [ws.normalize_color(other)]):
+                        problems.append(f"{p['asin']}: {oname} {v!r} counted as {other!r}")
+    return problems
+
+
+def vocabulary(env) -> list[str]:
+    """Distinct words a policy can meet in `env` (instruction, page furniture, products, goals), split as a
+    word-level tokenizer with digit splitting would: letter runs, single digits, single symbols."""
+    texts = [ws.INSTRUCTION, " ".join(env.actions), ws.BACK, ws.NEXT, ws.PREV, ws.BUY, " ".join(ws.SUBPAGES),
+             "Search page: type search[words]. Results for : page of ( total) Price: , Rating: "
+             "Selected: Description: Features: Reviews: none You bought ( no options). Score: 0.00"]
+    for p in env._shop.products:
+        texts += [p["asin"], p["Title"], p["Price"], str(p["Rating"]), ws._cut(p["Description"]),
+                  ws._cut("; ".join(p["BulletPoints"]))]
+        texts += [f"{k}: {' '.join(v)}" for k, v in p["options"].items()]
+        texts += [f"({r['score']}) {r['body']}" for r in p["Reviews"]]
+    texts += [g["instruction_text"] for g in env._shop.goals]
+    words = set()
+    for t in texts:
+        words.update(re.findall(r"[A-Za-z]+|[0-9]|[^\sA-Za-z0-9]", t))
+    return sorted(words)
+
+
 def test_generated_catalogue_is_deterministic_and_honest(env):
     assert ws.generate_catalogue(50, 3) == ws.generate_catalogue(50, 3)
     assert ws.generate_catalogue(50, 3) != ws.generate_catalogue(50, 4)
     shop = env._shop
     assert len(shop.products) == 300 and len(shop.goals) == 900
-    assert ws.catalogue_problems(shop.products) == []
-    words = [w for w in env.vocabulary() if w.isalpha()]
+    assert catalogue_problems(shop.products) == []
+    words = [w for w in vocabulary(env) if w.isalpha()]
     assert 150 <= len(words) <= 450, len(words)
 
 
