@@ -12,19 +12,13 @@ fp32 master weights, bf16 autocast on CUDA only.
 Deviations from the paper / RAGEN (deliberate):
 1. `--model tiny` (default) is ~1M parameters and its vocabulary is the environments' own words: the paper's
    0.5B model cannot be downloaded or trained in minutes on a 2-core CPU. The Qwen path is one flag away.
-2. The tiny policy's "pre-training + instruction tuning" is one language-model warm-up on the conversations of
-   uniformly random agents, rendered exactly as rollout.py renders them (both think modes, full conversations
-   and 1-turn history windows); every optimizer step holds one micro-batch of every env. Its loss is the mean
-   next-token loss on the replies (the mask = 1 tokens) plus the same mean on every other token (prompts,
-   boards, feedback), as a pre-trained LM has modelled text: measured, a prior trained on the replies alone
-   could not read a board's columns, and SFT on the expert then sat at chance for 100-450 steps
-   (sft_baseline.py). Its thought is a fixed sentence and its actions are random, so the prior knows the
-   format, each env's action words and what its boards look like, but not the tasks: its success stays near
-   the random agent's (`python bench.py prior` prints both per env).
-3. The tiny tokenizer is word-level (pieces keep their leading space, the newline is a token), and each tag
-   with its leading space is one token (" </think>", " <answer>", " </answer>"), as is " ||". Measured with
-   the same warm-up: with a separate " " before every tag, think-mode replies were well-formed in 1-5% of
-   turns (the model could not tell which tag comes next after " "); with spaced tags, 100%.
+2. The tiny policy's "pre-training + instruction tuning" is one language-model warm-up on random agents'
+   conversations, rendered as rollout.py renders them (both think modes, whole and windowed), with the loss on
+   the replies plus the same loss on everything else (boards, feedback), as a pre-trained LM has modelled
+   text (a prior trained on the replies alone could not read a board's columns: docs/history.md). It knows
+   the format, the action words and the boards, not the tasks (`python bench.py prior`).
+3. The tiny tokenizer is word-level, and each tag with its leading space is one token (" </think>", " ||"):
+   with a separate " " token before every tag, replies were well-formed in 1-5% of turns; with these, 100%.
 4. The critic is a separate copy of the policy backbone with a scalar head (as RAGEN/verl), but its head is
    initialised to zero so that the first value estimates are 0 rather than noise.
 5. On CPU the default is 1 intra-op thread: measured on these 2-core machines, small-model forward+backward
@@ -50,11 +44,8 @@ TINY_VERSION = 3  # bump to force a rebuild of cached tiny policies after a chan
 TINY_MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0,
                   tie_word_embeddings=True)
-# Measured on 1 thread (`python bench.py prior` prints the table): 100 steps of ~4k tokens (a micro-batch of
-# each of the 7 envs per step) at peak lr 6e-3, ~90 s, give well-formed replies in >= 97% of turns on every env,
-# think and no-think, at temperature 0.5 and 1.0 (64 episodes a row; with the replies' loss alone, >= 98%; 32
-# episodes a row: lr 3e-3 gave >= 95%, 70 steps >= 97%). obs_weight: the observations' loss (deviation 2);
-# 300 steps modelled the boards better, yet SFT from that prior sat on its plateau longer in one probe.
+# 100 steps (a micro-batch of every env per step) at peak lr 6e-3, ~90 s on one thread: well-formed replies in
+# >= 97% of turns on every env (`python bench.py prior`). obs_weight: the loss on what it reads (deviation 2).
 TINY_WARMUP = dict(episodes_per_env=240, steps=100, batch=32, batch_tokens=6144, lr=6e-3, seed=0, obs_weight=1.0)
 SPECIAL = dict(pad="<|endoftext|>", bos="<|im_start|>", eos="<|im_end|>", unk="<unk>")
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
