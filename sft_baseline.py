@@ -26,7 +26,7 @@ Deviations from the paper / RAGEN (deliberate):
 2. A curriculum of short examples comes first (`--short-steps`, tiny default 300 steps of 32, hub models 0):
    each state the expert met, shown alone ("State:\n<grid>"), answered by the expert's reply to it. Without
    it the tiny model sat on a plateau at chance for a number of steps that varied with the seed and the CPU
-   and decided the result; a short example costs ~1/3 of a full one (docs/sft.md has the seeds).
+   and decided the result; a short example costs about half a full one (docs/sft.md has the seeds).
 3. The expert answers with `--expert-actions` moves per turn, default ceil(max_actions / max_turns) = 2 (one
    move per turn caps the expert at 73% of the eval rooms in 5 turns; two, 99.6%). On slippery FrozenLake a
    turn's later moves know the earlier moves' slips (the plan runs on a copy of the env), which the policy
@@ -361,7 +361,7 @@ def main(argv=None):
     train_trajs, test_trajs = trajs[:cfg.train_trajectories], trajs[cfg.train_trajectories:]
     train_segs = [s for t in train_trajs for s in t.segments]
     test_segs = [s for t in test_trajs for s in t.segments]
-    short = short_examples(train_trajs, tok, eval_rcfg)
+    short = short_examples(train_trajs, tok, eval_rcfg) if cfg.short_steps else []
     per_epoch = math.ceil(len(train_segs) / cfg.batch)
     cfg.steps = cfg.short_steps + cfg.epochs * per_epoch
     n_tok, n_all = (sum(sum(s.loss_mask) for s in train_segs), sum(len(s.input_ids) for s in train_segs))
