@@ -34,9 +34,6 @@ def place_reward_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torc
     scores: [B] total reward of each trajectory (env rewards + format penalties); mask: [B, T].
     A row with no sampled token gets all zeros (its reward cannot be credited to any action).
     """
-    if scores.dim() != 1 or mask.dim() != 2 or scores.shape[0] != mask.shape[0]:
-        raise ValueError(f"scores must be [B] and mask [B, T] with the same B, got {tuple(scores.shape)} "
-                         f"and {tuple(mask.shape)}")
     sampled = mask > 0  # [B, T]
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)  # [B, T]
     last = torch.where(sampled, positions, -1).amax(dim=1)  # [B], -1 for an all-masked row
@@ -54,10 +51,6 @@ def kl_penalized_rewards(token_rewards: torch.Tensor, old_logp: torch.Tensor, re
     """StarPO's KL for PPO as the paper ran it (RAGEN's apply_kl_penalty with `kl_penalty: kl`): every trained token
     pays coef x (old_logp - ref_logp), the k1 estimate of KL(pi_old || pi_ref), in its reward; GAE then spreads
     it. All [B, T]; 0 outside the mask."""
-    if not (token_rewards.shape == old_logp.shape == ref_logp.shape == mask.shape):
-        raise ValueError(f"token_rewards, old_logp, ref_logp and mask must share one [B, T] shape, got "
-                         f"{tuple(token_rewards.shape)}, {tuple(old_logp.shape)}, {tuple(ref_logp.shape)}, "
-                         f"{tuple(mask.shape)}")
     return token_rewards - coef * torch.where(mask > 0, old_logp.float() - ref_logp.float(), 0.0)
 
 
@@ -72,9 +65,6 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     Returns (advantages [B, T], returns [B, T]) with returns = advantages + values; advantages are 0 outside the
     mask. Paper setting: gamma = lam = 1 (Appendix C.2). Whitening is separate (`whiten`), as in verl.
     """
-    if token_rewards.shape != values.shape or values.shape != mask.shape or mask.dim() != 2:
-        raise ValueError(f"token_rewards, values and mask must share one [B, T] shape, got "
-                         f"{tuple(token_rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}")
     sampled = mask > 0  # [B, T]
     if bool(((token_rewards != 0) & ~sampled).any()):
         raise ValueError("token_rewards has non-zero entries outside mask; rewards must sit on sampled tokens "
@@ -103,8 +93,6 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: fl
     PPO advantages). Unbiased variance, x' = (x - mean) / sqrt(var + eps); `shift_mean=False` adds the mean back
     (only the scale changes). Outside the mask the result is 0.
     """
-    if x.shape != mask.shape:
-        raise ValueError(f"x and mask must have the same shape, got {tuple(x.shape)} and {tuple(mask.shape)}")
     sampled = mask > 0
     count = int(sampled.sum())
     if count < 2:
@@ -127,18 +115,11 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence, ep
     of one gets 0 (deviation 3 in the module docstring). `norm_by_std=False` is Dr.GRPO's mean-only version.
     Returns [B]; use `broadcast_to_tokens` to spread it over each trajectory's sampled tokens.
     """
-    if scores.dim() != 1:
-        raise ValueError(f"scores must be 1-D [B], got shape {tuple(scores.shape)}")
     if isinstance(group_ids, torch.Tensor):
-        if group_ids.shape != scores.shape:
-            raise ValueError(f"group_ids must be [B] like scores, got {tuple(group_ids.shape)}")
         _, inverse = torch.unique(group_ids.to(scores.device), return_inverse=True)  # [B] in 0..G-1
     else:
-        ids = list(group_ids)
-        if len(ids) != scores.shape[0]:
-            raise ValueError(f"group_ids has {len(ids)} entries, scores has {scores.shape[0]}")
         index_of: dict = {}
-        inverse = torch.tensor([index_of.setdefault(g, len(index_of)) for g in ids], dtype=torch.long,
+        inverse = torch.tensor([index_of.setdefault(g, len(index_of)) for g in group_ids], dtype=torch.long,
                                device=scores.device)
     if scores.shape[0] == 0:
         return scores.float().clone()
@@ -158,7 +139,4 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence, ep
 
 def broadcast_to_tokens(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Spread one advantage per trajectory [B] over its sampled tokens: adv[:, None] * mask -> [B, T]."""
-    if adv.dim() != 1 or mask.dim() != 2 or adv.shape[0] != mask.shape[0]:
-        raise ValueError(f"adv must be [B] and mask [B, T] with the same B, got {tuple(adv.shape)} and "
-                         f"{tuple(mask.shape)}")
     return adv.float().unsqueeze(1) * mask.float()

@@ -23,10 +23,31 @@ from pathlib import Path
 SEED_MAX = 2 ** 31 - 1  # seeds are mixed into 64-bit generator seeds (seed * 1_000_003 + iteration + rank << 40)
 
 
-def flag(default, help: str, choices=None):
-    """A Config field with its help string and allowed values (a dict such as envs.ENVS is read when the flag is
-    parsed, so an env registered after import is allowed too)."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def flag(default, help: str, choices=None, lo=None, hi=None, gt=None, lt=None):
+    """A Config field with its help string and allowed values: `choices` (a dict such as envs.ENVS is read when the
+    flag is parsed, so an env registered after import is allowed too), or bounds lo <= x <= hi, gt < x < lt,
+    checked by `bounds` once the per-model defaults are filled in."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "bounds": (lo, gt, hi, lt)})
+
+
+def bounds(cfg) -> list[tuple[bool, str]]:
+    """The (ok, message) rules of every field's bounds (`flag`), for `check`; a value still None is not checked."""
+    rules = []
+    for f in dataclasses.fields(cfg):
+        lo, gt, hi, lt = f.metadata.get("bounds", (None,) * 4)
+        v = getattr(cfg, f.name)
+        if v is None or (lo, gt, hi, lt) == (None,) * 4:
+            continue
+        ok = (lo is None or v >= lo) and (gt is None or v > gt) and (hi is None or v <= hi) and (lt is None or v < lt)
+        low, high = lo if lo is not None else gt, hi if hi is not None else lt
+        if low is None or high is None:
+            allowed = next(f"{op} {b:g}" for op, b in ((">=", lo), (">", gt), ("<=", hi), ("<", lt)) if b is not None)
+        elif isinstance(v, int) and lo is not None and hi is not None:
+            allowed = f"in {lo}..{hi}"
+        else:
+            allowed = f"in {'[' if lo is not None else '('}{low:g}, {high:g}{']' if hi is not None else ')'}"
+        rules.append((ok, f"--{f.name.replace('_', '-')} {v}: must be {allowed}"))
+    return rules
 
 
 def finite_float(text: str) -> float:
@@ -103,10 +124,6 @@ def check(rules: list[tuple[bool, str]]) -> None:
     for ok, message in rules:
         if not ok:
             raise ValueError(message)
-
-
-def seed_rule(seed: int) -> tuple[bool, str]:
-    return 0 <= seed <= SEED_MAX, f"--seed {seed}: must be in 0..{SEED_MAX}"
 
 
 def read_json(path: Path | str, what: str) -> dict:

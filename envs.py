@@ -48,14 +48,7 @@ TRAIN_SEED_LOW, TRAIN_SEED_HIGH = 1000, 2**31  # training seeds live here, far f
 
 def train_seeds(rng_or_seed, n: int) -> list[int]:
     """n distinct training seeds from [1000, 2**31), never one of EVAL_SEEDS."""
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-        raise ValueError(f"train_seeds: n must be an int >= 0, got {n!r}")
-    if isinstance(rng_or_seed, np.random.Generator):
-        rng = rng_or_seed
-    elif isinstance(rng_or_seed, (int, np.integer)) and not isinstance(rng_or_seed, bool) and rng_or_seed >= 0:
-        rng = np.random.default_rng(int(rng_or_seed))
-    else:
-        raise ValueError(f"train_seeds: rng_or_seed must be a numpy Generator or an int >= 0, got {rng_or_seed!r}")
+    rng = rng_or_seed if isinstance(rng_or_seed, np.random.Generator) else np.random.default_rng(rng_or_seed)
     seeds: list[int] = []
     seen: set[int] = set()
     while len(seeds) < n:

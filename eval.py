@@ -36,8 +36,7 @@ import torch
 
 import cli
 from envs import ENVS, EVAL_SEEDS
-from rollout import (RolloutConfig, Trajectory, default_reply_tokens, dump, expert_agent, random_agent, rollout,
-                     rollout_rules)
+from rollout import RolloutConfig, Trajectory, default_reply_tokens, dump, expert_agent, random_agent, rollout
 
 SCRIPTED = ("random", "expert")
 ROLLOUT_KEYS = ("max_turns", "max_actions_per_turn", "max_actions", "format_penalty", "think", "context_turns",
@@ -50,22 +49,23 @@ class Config:
     envs: str = cli.flag("", "comma-separated envs (overrides --env); prints one markdown table")
     policy: str = cli.flag("tiny", "a run folder (its final/ or latest checkpoint), a model folder, a hub id, tiny, "
                                    "random or expert")
-    prompts: int = cli.flag(256, "how many of the fixed eval prompts (seeds 123..) to use, at most 256")
-    temperature: float = cli.flag(0.5, "sampling temperature (paper: 0.5); 0 = greedy")
-    max_turns: int | None = cli.flag(None, "turns per episode (default: the policy's training value, else 5)")
-    max_actions_per_turn: int | None = cli.flag(None, "actions per turn (default: training value, else 5)")
-    max_actions: int | None = cli.flag(None, "actions per episode (default: training value, else 10)")
+    prompts: int = cli.flag(256, "how many of the fixed eval prompts (seeds 123..) to use, at most 256", lo=1, hi=256)
+    temperature: float = cli.flag(0.5, "sampling temperature (paper: 0.5); 0 = greedy", lo=0)
+    max_turns: int | None = cli.flag(None, "turns per episode (default: the policy's training value, else 5)", lo=1)
+    max_actions_per_turn: int | None = cli.flag(None, "actions per turn (default: training value, else 5)", lo=1)
+    max_actions: int | None = cli.flag(None, "actions per episode (default: training value, else 10)", lo=1)
     think: bool | None = cli.flag(None, "<think> before <answer> (default: the policy's training mode, else on)")
-    context_turns: int | None = cli.flag(None, "history window in turns, 0 = whole conversation (default: training)")
+    context_turns: int | None = cli.flag(None, "history window in turns, 0 = the whole conversation "
+                                                 "(default: training)", lo=0)
     max_new_tokens: int | None = cli.flag(None, "token budget per reply (default: the training value, else tiny 100, "
-                                                "hub models 400, 500 on bandit)")
-    batch: int = cli.flag(256, "episodes decoded together in one batch")
-    seed: int = cli.flag(0, "sampling seed")
+                                                "hub models 400, 500 on bandit)", lo=1)
+    batch: int = cli.flag(256, "episodes decoded together in one batch", lo=1)
+    seed: int = cli.flag(0, "sampling seed", lo=0, hi=cli.SEED_MAX)
     device: str = cli.flag("auto", "auto, cpu, cuda or cuda:N")
-    threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)")
+    threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)", lo=1)
     webshop_data: str | None = cli.flag(None, "folder with the original WebShop files (default: shipped catalogue)")
     json: str | None = cli.flag(None, "write the numbers to this JSON file")
-    dump: int = cli.flag(0, "print this many trajectories as readable text")
+    dump: int = cli.flag(0, "print this many trajectories as readable text", lo=0)
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -165,14 +165,8 @@ def main(argv=None):
         cfg, _ = cli.parse(Config, argv, description=__doc__.split("\n")[0])
         envs = [e.strip() for e in cfg.envs.split(",") if e.strip()] if cfg.envs else [cfg.env]
         unknown = [e for e in envs if e not in ENVS]
-        cli.check([
+        cli.check(cli.bounds(cfg) + [
             (not unknown, f"--envs: unknown env {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(ENVS))}"),
-            (1 <= cfg.prompts <= len(EVAL_SEEDS), f"--prompts {cfg.prompts}: must be in 1..{len(EVAL_SEEDS)}"),
-            (cfg.temperature >= 0, f"--temperature {cfg.temperature}: must be >= 0 (0 = greedy)"),
-            (cfg.batch >= 1, f"--batch {cfg.batch}: must be >= 1"),
-            (cfg.dump >= 0, f"--dump {cfg.dump}: must be >= 0"),
-            (cfg.threads >= 1, f"--threads {cfg.threads}: must be >= 1"),
-            cli.seed_rule(cfg.seed),
             (not cfg.webshop_data or "webshop" in envs,
              f"--webshop-data {cfg.webshop_data}: only for the webshop env (evaluating: {', '.join(envs)})"),
         ])
@@ -188,8 +182,6 @@ def main(argv=None):
                 print(f"--policy {cfg.policy} is a run folder: loading {folder}", file=sys.stderr)
             model, tok, path = load_policy(folder, device, flag_name="--policy")
         rcfgs = {env: rollout_config_for(path, cfg, env) for env in envs}
-        for rcfg in rcfgs.values():
-            cli.check(rollout_rules(rcfg))
         positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         if positions is not None and rcfgs[envs[0]].max_new_tokens >= positions:
             raise ValueError(f"--max-new-tokens {rcfgs[envs[0]].max_new_tokens}: the model reads at most "

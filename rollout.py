@@ -80,16 +80,6 @@ class RolloutConfig:
     kv_cache: bool = True  # keep each episode's KV cache across turns, prefill a group's first prompt once (speed)
 
 
-def rollout_rules(cfg) -> list[tuple[bool, str]]:
-    """The rules every entry script checks its rollout flags with (cli.check), where they are parsed."""
-    return [(cfg.max_turns >= 1, f"--max-turns {cfg.max_turns}: must be >= 1"),
-            (cfg.max_actions_per_turn >= 1, f"--max-actions-per-turn {cfg.max_actions_per_turn}: must be >= 1"),
-            (cfg.max_actions >= 1, f"--max-actions {cfg.max_actions}: must be >= 1"),
-            (cfg.max_new_tokens >= 1, f"--max-new-tokens {cfg.max_new_tokens}: must be >= 1"),
-            (cfg.context_turns >= 0, f"--context-turns {cfg.context_turns}: must be >= 0 (0 = the whole "
-                                     f"conversation)")]
-
-
 @dataclass
 class Turn:
     obs: str                 # the state shown at this turn
@@ -110,6 +100,10 @@ class Segment:               # one training sequence
     input_ids: list[int]
     loss_mask: list[int]     # 1 exactly where the policy sampled the token
     system_len: int = 0      # tokens of the system message it starts with (-1: the template renders none)
+
+    def append(self, ids: list[int], sampled: int):
+        self.input_ids += ids
+        self.loss_mask += [sampled] * len(ids)
 
 
 def trained_mask(seg: Segment, response_mask: bool = True) -> list[int]:
@@ -194,12 +188,8 @@ JUNCTION_RE = re.compile(r"</think>\s*<answer>")
 
 def parse_reply(text: str, think: bool, max_actions: int) -> tuple[list[str], bool]:
     """-> (actions, parsed): the first "<think>..</think> <answer>..</answer>" (no-think: "<answer>..</answer>")
-    of the reply, its answer split on '||', empty pieces dropped, the first `max_actions` kept.
-
-    The match a lazy regex search would find ("<think>(.*?)</think>", whitespace, "<answer>(.*?)</answer>"), in
-    time linear in the reply's length (that regex is quadratic on a reply of many unclosed tags): the leftmost
-    "<think>" takes the first "</think> <answer>" after it, and the answer runs to the first "</answer>" after
-    that; where those are missing, no later start has them either."""
+    of the reply, its answer split on '||', empty pieces dropped, the first `max_actions` kept: the match of a
+    lazy regex, found in linear time (that regex is quadratic on a reply of many unclosed tags)."""
     if think:
         start = text.find("<think>")
         junction = JUNCTION_RE.search(text, start + len("<think>")) if start >= 0 else None
@@ -223,10 +213,8 @@ def render_ids(tokenizer, messages: list[dict], cfg: RolloutConfig) -> list[int]
 
 
 def turn_close(tokenizer) -> str:
-    """The template text that closes an assistant turn (Qwen: "<|im_end|>\n").
-
-    Found by rendering a placeholder conversation, so any chat template (Qwen's, the tiny one) works.
-    """
+    """The template text that closes an assistant turn (Qwen: "<|im_end|>\n"), found by rendering a placeholder
+    conversation, so any chat template works."""
     mark = "\x00REPLY\x00"
     base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     open_ = tokenizer.apply_chat_template(base, tokenize=False, add_generation_prompt=True)
@@ -344,16 +332,12 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
              keep_cache: bool = False, dedupe: bool = False) -> tuple[list[list[int]], list]:
     """Sample one reply per prompt, all rows in one batch with a KV cache; -> (sampled ids per row, caches).
 
-    `past[i]` (an EpisodeCache or None) holds row i's keys and values for `prompts[i][:past[i].length]`, its
-    conversation up to the last turn: only the rest of the prompt is run. With `keep_cache` the second output
-    holds each row's cache after its reply (prompt + sampled tokens but the last one, which no forward pass has
-    read yet), to pass as `past` at the next turn; else it is all None. `dedupe`: identical rows without a past
-    (the N rollouts of one prompt at turn 1) are prefilled once and their cache copied.
-
-    Layout: [cache columns, each row's past left-padded | prompt columns, each row's new tokens left-padded],
-    then one column per decode step; pads are masked out and position ids count real tokens only. Rows that
-    emitted an end token (the tokenizer's EOS or the model's generation_config eos ids) or whose last tokens'
-    text contains "</answer>" leave the batch (and the cache).
+    `past[i]` (EpisodeCache or None) holds row i's keys and values for `prompts[i][:past[i].length]`: only the
+    rest runs. With `keep_cache` the second output holds each row's cache after its reply (all but the last
+    sampled token, which no forward pass has read yet), to pass as `past` next turn. `dedupe`: identical rows
+    without a past (a group's first prompt) are prefilled once and copied. Layout: [each row's past, left-padded
+    | its new tokens, left-padded | one column per decode step]; pads are masked, position ids count real tokens.
+    A row ends at an end token (EOS or the generation_config's) or when its text holds "</answer>".
     """
     device = next(model.parameters()).device
     B = len(prompts)
@@ -466,11 +450,8 @@ def available_actions(env) -> list[str]:
 
 def random_agent(rng: random.Random):
     """Uniformly random valid actions, 1..min(max per turn, actions left) of them; a truthful fixed thought.
-
-    Each action is drawn from the actions valid in the state the previous ones lead to (planned on a copy of
-    the env, as expert_agent does): in WebShop the valid clicks change with the page, and a plan drawn from the
-    first page only would be mostly invalid. The plan stops early if the copy's episode ends (a Bandit pull).
-    """
+    Each is drawn among those valid where the previous ones lead (planned on a copy of the env: WebShop's valid
+    clicks change with the page); the plan stops where the copy's episode ends."""
     def act(env, actions_left: int, cfg: RolloutConfig) -> tuple[list[str], str]:
         k = rng.randint(1, max(1, min(cfg.max_actions_per_turn, actions_left)))
         sim, plan = copy.deepcopy(env), []
@@ -483,10 +464,8 @@ def random_agent(rng: random.Random):
 
 
 def expert_agent(actions_per_turn: int = 1):
-    """The env's optimal policy; several actions per turn are planned on a copy of the env.
-
-    Its thought names the plan (truthful: it is what the expert will do), after the env's `expert_note()`
-    where it has one (Sokoban: where the player, boxes and targets are, and the next push; envs.py deviation 9)."""
+    """The env's optimal policy; several actions per turn are planned on a copy of the env. Its truthful thought:
+    the env's `expert_note()` where it has one (envs.py deviation 9), then the plan."""
     def act(env, actions_left: int, cfg: RolloutConfig) -> tuple[list[str], str]:
         k = max(1, min(actions_per_turn, cfg.max_actions_per_turn, actions_left))
         sim, plan = copy.deepcopy(env), []
@@ -508,11 +487,9 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
             env_overrides: dict | None = None) -> list[Trajectory]:
     """Run len(seeds) episodes in lock-step; each turn, all live episodes reply in one batch.
 
-    Replies come from `model` (sampled) or from `agent(env, actions_left, cfg) -> (actions, thought)`
-    (scripted: random, expert). `tokenizer=None` records text only (used to collect the tiny tokenizer's vocabulary).
-    `samples[i]` numbers episode i among the rollouts of its prompt: the env draws its dynamics' noise
-    (payoffs, slips) from (seed, sample), so a group shares its start but not its luck (envs.py).
-    """
+    Replies come from `model` (sampled) or `agent(env, actions_left, cfg) -> (actions, thought)` (scripted);
+    `tokenizer=None` records text only. `samples[i]`: the env draws episode i's noise (payoffs, slips) from
+    (seed, sample) (envs.py deviation 2)."""
     if (model is None) == (agent is None):
         raise ValueError("rollout needs exactly one of model= or agent=")
     envs = [make_env(env_name, **(env_overrides or {})) for _ in seeds]
@@ -562,12 +539,10 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
                     trajs[i].truncated, past[i] = True, None
                     continue
                 if cfg.context_turns == 0 and running[i] is not None:
-                    running[i].input_ids += add
-                    running[i].loss_mask += [0] * len(add)
+                    running[i].append(add, 0)
                 else:
                     running[i] = Segment(list(ids), [0] * len(ids), len(system) if ids[:len(system)] == system else -1)
                 prompts.append(running[i].input_ids)
-            trajs[i].messages = full_messages(hdr[i], user_msgs[i], replies[i])
             fits.append(i)
         live = fits
         if not live:
@@ -600,18 +575,14 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
             trajs[i].turns.append(turn)
             trajs[i].success = trajs[i].success or turn.success
             if tokenizer is not None:
-                seg = running[i]
-                seg.input_ids += sampled[j]
-                seg.loss_mask += [1] * len(sampled[j])
+                running[i].append(sampled[j], 1)
                 tail = close
                 if sampled[j] and sampled[j][-1] == tokenizer.eos_token_id and tokenizer.eos_token \
                         and tail.startswith(tokenizer.eos_token):
                     tail = tail[len(tokenizer.eos_token):]      # the policy already closed its turn
-                add = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
-                seg.input_ids += add
-                seg.loss_mask += [0] * len(add)
+                running[i].append(tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else [], 0)
                 if cfg.context_turns > 0:
-                    trajs[i].segments.append(seg)
+                    trajs[i].segments.append(running[i])
             trajs[i].done = envs[i].done
             if not envs[i].done and left[i] > 0:
                 still.append(i)
@@ -619,7 +590,7 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
                 past[i] = None  # the episode is over: free its cache
         live = still
     for i, t in enumerate(trajs):
-        t.messages = full_messages(hdr[i], user_msgs[i], replies[i])
+        t.messages = window_messages(hdr[i], user_msgs[i], replies[i], 0)
         if tokenizer is not None and cfg.context_turns == 0 and running[i] is not None:
             t.segments = [running[i]]
     return trajs
@@ -657,10 +628,6 @@ def window_messages(header: str, user_msgs: list[str], replies: list[str], conte
         if t < len(replies):
             msgs.append({"role": "assistant", "content": replies[t]})
     return msgs
-
-
-def full_messages(header, user_msgs, replies) -> list[dict]:
-    return window_messages(header, user_msgs, replies, 0)
 
 
 def dump(traj: Trajectory, tokenizer=None) -> str:

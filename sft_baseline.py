@@ -56,7 +56,7 @@ import torch.nn.functional as F
 import cli
 from envs import ENVS, train_seeds
 from eval import evaluate
-from rollout import default_reply_tokens, dump, expert_agent, rollout, rollout_rules
+from rollout import default_reply_tokens, dump, expert_agent, rollout
 from starpo import make_optimizer, shared_prefix_len, token_logprobs
 from train import load_model_and_env, rollout_config, save_final
 
@@ -75,41 +75,41 @@ MAX_GRAD_NORM = 1.0
 class Config:
     env: str = cli.flag("sokoban", "environment", choices=ENVS)
     train_trajectories: int | None = cli.flag(None, "expert trajectories to train on (default: tiny 2,800, hub "
-                                                    "models the paper's 1,000)")
-    test_trajectories: int = cli.flag(100, "expert trajectories for the test loss (paper: 100)")
+                                                    "models the paper's 1,000)", lo=1)
+    test_trajectories: int = cli.flag(100, "expert trajectories for the test loss (paper: 100)", lo=1)
     expert_actions: int | None = cli.flag(None, "expert moves per turn (default: ceil(max-actions / max-turns))")
-    max_turns: int = cli.flag(5, "turns per episode")
-    max_actions_per_turn: int = cli.flag(5, "actions per turn")
-    max_actions: int = cli.flag(10, "actions per episode")
+    max_turns: int = cli.flag(5, "turns per episode", lo=1)
+    max_actions_per_turn: int = cli.flag(5, "actions per turn", lo=1)
+    max_actions: int = cli.flag(10, "actions per episode", lo=1)
     max_new_tokens: int | None = cli.flag(None, "token budget per reply at eval (default: tiny 100; hub models "
-                                                "RAGEN's 400, 500 on bandit)")
+                                                "RAGEN's 400, 500 on bandit)", lo=1)
     format_penalty: float = cli.flag(-0.1, "reward of a turn without a valid answer (eval)")
     think: bool = cli.flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
     context_turns: int | None = cli.flag(None, "history window: 0 = whole conversation, K = last K turns "
-                                               "(default: tiny 1, hub models 0)")
-    epochs: int | None = cli.flag(None, "passes over the training data (default: tiny 3, hub models 5)")
-    batch: int | None = cli.flag(None, "training sequences per optimizer step (default: tiny 16, hub models 128)")
+                                               "(default: tiny 1, hub models 0)", lo=0)
+    epochs: int | None = cli.flag(None, "passes over the training data (default: tiny 3, hub models 5)", lo=1)
+    batch: int | None = cli.flag(None, "training sequences per optimizer step (default: tiny 16, hub models 128)", lo=1)
     micro_batch: int | None = cli.flag(None, "training sequences per forward/backward, gradient accumulation "
-                                             "(default: tiny 16, hub models 4)")
-    lr: float | None = cli.flag(None, "peak learning rate (default: tiny 2e-3, hub models 1e-4)")
+                                             "(default: tiny 16, hub models 4)", lo=1)
+    lr: float | None = cli.flag(None, "peak learning rate (default: tiny 2e-3, hub models 1e-4)", gt=0)
     adam_beta2: float | None = cli.flag(None, "AdamW's beta2, the decay of its squared-gradient average (default: "
-                                              "tiny 0.95, hub models torch's 0.999)")
+                                              "tiny 0.95, hub models torch's 0.999)", lo=0, lt=1)
     short_steps: int | None = cli.flag(None, "a curriculum, short examples first: this many steps on the expert's "
                                             "states shown alone, each answered by its reply, before the epochs "
-                                            "(default: tiny 300, hub models 0)")
-    short_batch: int = cli.flag(32, "sequences per step of the short examples")
-    lora_rank: int | None = cli.flag(None, "LoRA rank r, 0 = full fine-tuning (default: tiny 0, hub models 64)")
-    lora_alpha: float = cli.flag(32.0, "LoRA alpha (the update is scaled by alpha / r)")
-    eval_every: int = cli.flag(0, "also evaluate every this many epochs (0 = only the kept policy, at the end)")
-    eval_prompts: int = cli.flag(256, "eval prompts, <= 256")
-    eval_temperature: float = cli.flag(0.5, "eval sampling temperature (paper: 0.5)")
-    dump_trajectories: int = cli.flag(3, "trajectories written as text at each eval")
-    seed: int = cli.flag(0, "seed of everything (data seeds, batch order, eval sampling)")
+                                            "(default: tiny 300, hub models 0)", lo=0)
+    short_batch: int = cli.flag(32, "sequences per step of the short examples", lo=1)
+    lora_rank: int | None = cli.flag(None, "LoRA rank r, 0 = full fine-tuning (default: tiny 0, hub models 64)", lo=0)
+    lora_alpha: float = cli.flag(32.0, "LoRA alpha (the update is scaled by alpha / r)", gt=0)
+    eval_every: int = cli.flag(0, "also evaluate every this many epochs (0 = only the kept policy, at the end)", lo=0)
+    eval_prompts: int = cli.flag(256, "eval prompts, <= 256", lo=1, hi=256)
+    eval_temperature: float = cli.flag(0.5, "eval sampling temperature (paper: 0.5)", lo=0)
+    dump_trajectories: int = cli.flag(3, "trajectories written as text at each eval", lo=0)
+    seed: int = cli.flag(0, "seed of everything (data seeds, batch order, eval sampling)", lo=0, hi=cli.SEED_MAX)
     out: str | None = cli.flag(None, "run folder (default: runs/sft-ENV-sSEED); never overwritten unless --overwrite")
     overwrite: bool = cli.flag(False, "replace the run already in --out")
     model: str = cli.flag("tiny", "tiny (embedded, offline), a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or a folder")
     device: str = cli.flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
-    threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)")
+    threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)", lo=1)
     fused: bool = cli.flag(True, "chunked log-prob path that never builds [B, T, V] logits")
     webshop_data: str | None = cli.flag(None, "folder with the original WebShop files (default: shipped catalogue)")
     # derived after the data is built
@@ -124,26 +124,9 @@ def derive(cfg: Config, explicit: set[str]) -> Config:
     cli.fill_defaults(cfg, dict(max_new_tokens=default_reply_tokens(kind, cfg.env)))
     if cfg.expert_actions is None:  # the fewest moves per turn that let the expert use the whole budget
         cfg.expert_actions = min(cfg.max_actions_per_turn, -(-cfg.max_actions // max(1, cfg.max_turns)))
-    cli.check(rollout_rules(cfg) + [
-        (cfg.train_trajectories >= 1, f"--train-trajectories {cfg.train_trajectories}: must be >= 1"),
-        (cfg.test_trajectories >= 1, f"--test-trajectories {cfg.test_trajectories}: must be >= 1"),
-        (1 <= cfg.expert_actions <= cfg.max_actions_per_turn,
+    cli.check(cli.bounds(cfg) + [
+        (cfg.expert_actions <= cfg.max_actions_per_turn and cfg.expert_actions >= 1,
          f"--expert-actions {cfg.expert_actions}: must be in 1..{cfg.max_actions_per_turn} (--max-actions-per-turn)"),
-        (cfg.epochs >= 1, f"--epochs {cfg.epochs}: must be >= 1"),
-        (cfg.short_steps >= 0, f"--short-steps {cfg.short_steps}: must be >= 0 (0 = no curriculum)"),
-        (cfg.short_batch >= 1, f"--short-batch {cfg.short_batch}: must be >= 1"),
-        (cfg.batch >= 1, f"--batch {cfg.batch}: must be >= 1"),
-        (cfg.micro_batch >= 1, f"--micro-batch {cfg.micro_batch}: must be >= 1"),
-        (cfg.lr > 0, f"--lr {cfg.lr}: must be > 0"),
-        (0 <= cfg.adam_beta2 < 1, f"--adam-beta2 {cfg.adam_beta2}: must be in [0, 1)"),
-        (cfg.lora_rank >= 0, f"--lora-rank {cfg.lora_rank}: must be >= 0 (0 = full fine-tuning)"),
-        (cfg.lora_alpha > 0, f"--lora-alpha {cfg.lora_alpha}: must be > 0"),
-        (cfg.eval_every >= 0, f"--eval-every {cfg.eval_every}: must be >= 0"),
-        (1 <= cfg.eval_prompts <= 256, f"--eval-prompts {cfg.eval_prompts}: must be in 1..256"),
-        (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0"),
-        (cfg.dump_trajectories >= 0, f"--dump-trajectories {cfg.dump_trajectories}: must be >= 0"),
-        cli.seed_rule(cfg.seed),
-        (cfg.threads >= 1, f"--threads {cfg.threads}: must be >= 1"),
         (not cfg.webshop_data or cfg.env == "webshop",
          f"--webshop-data {cfg.webshop_data}: only for --env webshop (this run: --env {cfg.env})"),
     ])

@@ -67,23 +67,16 @@ def aggregate(loss_tok: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean
     `denom` overrides the divisor (tokens for token-mean, rows for seq-mean-*): `update` passes the count of the
     whole mini-batch so that micro-batch losses add up exactly to the mini-batch loss.
     """
-    if agg not in AGG_MODES:
-        raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
     m = mask > 0
     masked = torch.where(m, loss_tok, 0.0)  # [B, T]
     if agg == "token-mean":
-        total = masked.sum()
-        count = m.sum()
+        total, count = masked.sum(), m.sum()
     else:
-        row_tokens = m.sum(dim=1)  # [B]
-        row = masked.sum(dim=1)  # [B]
+        row_tokens, row = m.sum(dim=1), masked.sum(dim=1)  # [B], [B]
         if agg == "seq-mean-token-mean":
             row = row / row_tokens.clamp(min=1)
-        total = row.sum()
-        count = (row_tokens > 0).sum()
-    if denom is None:
-        denom = count.clamp(min=1)
-    return total / denom
+        total, count = row.sum(), (row_tokens > 0).sum()
+    return total / (count.clamp(min=1) if denom is None else denom)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -169,16 +162,13 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 def naive_logprobs_entropy_from_logits(logits: torch.Tensor, targets: torch.Tensor,
                                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: logits [N, V] -> (log p(target) [N], entropy [N]) through full fp32 log-softmax."""
+    """Reference: logits [N, V] -> (log p(target) [N], entropy [N]) through the full fp32 log-softmax."""
     logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [N, V]
-    logp = logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, entropy
+    return logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
 
 
-def naive_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           targets: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference for `fused_logprobs_entropy`: materialises the whole [N, V] fp32 logits."""
+def naive_logprobs_entropy(hidden, weight, bias, targets, temperature: float = 1.0):
+    """Reference for `fused_logprobs_entropy`, same arguments: materialises the whole [N, V] fp32 logits."""
     logits = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())  # [N, V]
     return naive_logprobs_entropy_from_logits(logits, targets, temperature)
 
@@ -310,15 +300,9 @@ def shared_prefix_len(rows: list[list[int]]) -> int:
     Host lists, so no device sync. Rendered from one template, all rows of an env start with the same system
     prompt and instructions (132 of ~235 tokens in a 1-turn Sokoban window of the tiny tokenizer);
     starpo.token_logprobs(prefix_len=) and rollout.generate run that part once instead of once per row."""
-    if not rows:
-        return 0
-    n = min(len(r) for r in rows) - 1
-    first = rows[0]
+    n = min(map(len, rows), default=1) - 1
     for r in rows[1:]:
-        k = 0
-        while k < n and r[k] == first[k]:
-            k += 1
-        n = k
+        n = next((k for k in range(n) if r[k] != rows[0][k]), n)
     return max(0, n)
 
 
@@ -346,22 +330,17 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
                    positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs and entropies [B, T] of a Hugging Face causal LM at the sampling temperature.
 
-    logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t]) from the logits at t - 1; entropy[:, t] is the
-    entropy of that distribution; column 0 is 0 for both. `fused=True`: final hidden states from
-    `model.base_model` and the head from `model.get_output_embeddings()` through `fused_logprobs_entropy`.
-    `fused=False`: the reference, full logits from `model(...).logits`. `model` may also be a TokenLogprobs
-    module, or DistributedDataParallel around one (data-parallel training, see TokenLogprobs).
+    logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t]); entropy[:, t] that distribution's entropy; column 0
+    is 0. `fused=True`: `model.base_model`'s hidden states through `fused_logprobs_entropy` with the head of
+    `model.get_output_embeddings()`; `fused=False`: the reference, `model(...).logits`. `model` may also be a
+    TokenLogprobs module, or DistributedDataParallel around one.
 
-    `prefix_len=P > 0` (fused only): the caller promises that the first P tokens are the same, unpadded, in
-    every row (`shared_prefix_len`). The backbone then runs them once, as a batch of 1, and the B rows
-    run only their remaining T - P tokens on top of that prefix's keys and values, repeated B times
-    (`prefill_shared_prefix`): values and gradients are those of the plain path (tested), at (T - P) / T of
-    its backbone cost.
-
-    `positions` [B, T] (optional; 0/1 or bool, best on the CPU, where finding its ones costs no device sync):
-    the tokens the caller will read, typically its loss mask. Both outputs are 0 everywhere else, and the fused
-    path runs the LM head only on those tokens: in a supervised batch of 1-turn windows the replies are ~1/6 of
-    the tokens (and with `prefix_len` the shared prefix would otherwise go through the head once per row).
+    `prefix_len=P > 0` (fused only): the first P tokens are the same, unpadded, in every row
+    (`shared_prefix_len`); the backbone runs them once and the B rows run the rest on that prefix's cache, at
+    (T - P) / T of the backbone cost, with the plain path's values and gradients (tested).
+    `positions` [B, T] (0/1 or bool, best on the CPU: no device sync): the tokens the caller reads, typically its
+    loss mask; both outputs are 0 elsewhere and the fused path runs the LM head only there (replies are ~1/6 of
+    a supervised batch's tokens).
     """
     if isinstance(model, TokenLogprobs) or isinstance(getattr(model, "module", None), TokenLogprobs):
         return model(input_ids, attention_mask, temperature, fused, chunk_size, prefix_len,  # through DDP's forward
@@ -371,10 +350,6 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
                          "or its gradients are never all-reduced (see TokenLogprobs)")
     B, T = input_ids.shape
     targets = input_ids[:, 1:].reshape(-1)  # [B*(T-1)]
-    if not 0 <= prefix_len < T:
-        raise ValueError(f"prefix_len must be in 0..{T - 1} (T = {T}), got {prefix_len}")
-    if positions is not None and positions.shape != input_ids.shape:
-        raise ValueError(f"positions must be [B, T] = {list(input_ids.shape)}, got {list(positions.shape)}")
     # [K] flat indices into the B*(T-1) predicted tokens that the caller reads (all of them without `positions`)
     keep = None if positions is None else positions[:, 1:].reshape(-1).nonzero().squeeze(1).to(input_ids.device)
     if fused:
@@ -411,11 +386,9 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
 class TokenLogprobs(torch.nn.Module):
     """`token_logprobs(model, ...)` as a module's forward, the thing to wrap in DistributedDataParallel.
 
-    DDP all-reduces gradients only for work done inside its own forward (that call arms its reducer for the
-    next backward). The fused path reaches past the model's forward, to `model.base_model` and
-    `model.get_output_embeddings()`: on DDP(model) that is an AttributeError, and on DDP(model).module it runs
-    outside DDP, so every rank would silently keep its own gradient. DDP(TokenLogprobs(model)) puts the whole
-    fused path (backbone and LM head) inside DDP's forward; parameters stay the model's own tensors.
+    DDP all-reduces gradients only for work done inside its own forward. The fused path reaches past the model's
+    forward (to `model.base_model` and its head), so on DDP(model).module every rank would silently keep its own
+    gradient; DDP(TokenLogprobs(model)) puts the whole path inside DDP's forward, on the model's own parameters.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -446,26 +419,12 @@ class Batch:
     old_values: torch.Tensor | None = None  # [B, T] critic values at rollout time (PPO)
     prefix_len: int = 0  # tokens that start every row identically (shared_prefix_len), run once
 
-    def __post_init__(self):
-        shape = tuple(self.input_ids.shape)
-        if len(shape) != 2:
-            raise ValueError(f"Batch.input_ids must be [B, T], got {shape}")
-        for f in self._tensor_fields():
-            value = getattr(self, f.name)
-            if value is not None and tuple(value.shape) != shape:
-                raise ValueError(f"Batch.{f.name} has shape {tuple(value.shape)}, expected {shape}")
-        if not 0 <= self.prefix_len < max(1, shape[1]):
-            raise ValueError(f"Batch.prefix_len must be in 0..{shape[1] - 1}, got {self.prefix_len}")
-
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
-    def _tensor_fields(self):
-        return [f for f in dataclasses.fields(self) if f.name != "prefix_len"]
-
     def _map(self, fn) -> "Batch":
-        return Batch(**{f.name: None if getattr(self, f.name) is None else fn(getattr(self, f.name))
-                        for f in self._tensor_fields()}, prefix_len=self.prefix_len)
+        return Batch(**{f.name: v if v is None or f.name == "prefix_len" else fn(v)
+                        for f in dataclasses.fields(self) for v in [getattr(self, f.name)]})
 
     def to(self, device) -> "Batch":
         return self._map(lambda t: t.to(device))
@@ -531,39 +490,25 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
            shard: tuple[int, int] | None = None) -> dict[str, float]:
     """One pass of PPO/GRPO optimisation over `batch` (section 2.2); returns metrics as floats.
 
-    Rows are shuffled with `generator` (a CPU torch.Generator) into mini-batches of cfg.mini_batch rows (the
-    last one may be smaller); each mini-batch is one optimizer step, its gradient accumulated over micro-batches
-    of cfg.micro_batch rows. Losses are divided by the count (tokens, or rows for seq-mean-*) of the whole
-    mini-batch, so accumulation equals one big batch. `reduce_count` maps this process's mini-batch count (a
-    0-dim tensor) to the count to divide by, e.g. an all-reduce sum across data-parallel ranks; default: as is.
+    Loss = pg_loss - entropy_coef * entropy + kl_coef * kl_to_ref; with `critic` (PPO: critic(ids, attn) ->
+    values [B, T]) also the clipped value loss, with its own optimizer. Rows are shuffled with `generator` (CPU)
+    into mini-batches of cfg.mini_batch rows, one optimizer step each, accumulated over micro-batches of
+    cfg.micro_batch rows; losses are divided by the whole mini-batch's count (tokens, or rows for seq-mean-*),
+    so accumulation equals one big batch (`reduce_count` maps that count, e.g. an all-reduce). Gradients are
+    clipped at cfg.max_grad_norm; a non-finite loss or grad norm skips the step and is counted.
 
-    `batch.old_logp = None`: the batch is fresh rollouts of this very policy and fits one mini-batch, updated once.
-    The first (here: only) step's ratio is then exactly 1, so its old log-probs are its own forward's, detached,
-    and the caller skips a forward pass whose result is known (TRL's GRPO does the same with one step per batch).
+    `batch.old_logp = None`: fresh rollouts of this very policy that fit one mini-batch: the step's ratio is
+    exactly 1, so its old log-probs are its own forward's, detached (the caller skips a pass whose result is
+    known; TRL's GRPO does the same with one step per batch).
 
-    Data parallel, `shard=(rank, world)` with world > 1: `batch` and `generator` are the same on every rank (so
-    are the mini-batches), and this rank trains rows rank, rank + world, ... of each mini-batch (see
-    `micro_batches`); `policy` is DistributedDataParallel(TokenLogprobs(model)) and `critic` DDP(critic). The
-    divisor is the whole mini-batch's count / world, because DDP averages the ranks' gradients: the average of
-    the ranks' sums is then the single-process gradient. The ranks agree on skipping a non-finite step, and the
-    returned metrics are all-reduced: the same on every rank and equal to the single-process ones.
-
-    Policy loss = pg_loss - entropy_coef * entropy + kl_coef * kl_to_ref. With `critic` (PPO; called as
-    critic(input_ids, attention_mask) -> values [B, T]), the clipped value loss trains it with its own optimizer
-    and grad clipping. Gradients are clipped at cfg.max_grad_norm; a non-finite loss or grad norm skips the step
-    (grads zeroed, no optimizer step, weights untouched) and is counted. `autocast_dtype`: torch.bfloat16 on
-    CUDA, None on CPU (no autocast).
+    Data parallel, `shard=(rank, world)`: the same `batch` and `generator` on every rank; this rank trains rows
+    rank, rank + world, ... of each mini-batch (`micro_batches`) through DDP(TokenLogprobs(model)) and
+    DDP(critic). The divisor is the count / world, because DDP averages the ranks' gradients; the ranks agree
+    on skipping a step and the metrics are all-reduced, so both equal the single-process ones.
     """
-    if len(batch) == 0:
-        raise ValueError("update got an empty batch")
-    if critic is not None:
-        if critic_optimizer is None:
-            raise ValueError("a critic needs a critic_optimizer")
-        if batch.returns is None or batch.old_values is None:
-            raise ValueError("a critic needs batch.returns and batch.old_values")
+    if critic is not None and (critic_optimizer is None or batch.returns is None or batch.old_values is None):
+        raise ValueError("a critic needs a critic_optimizer, batch.returns and batch.old_values")
     rank, world = shard if shard is not None else (0, 1)
-    if not 0 <= rank < world:
-        raise ValueError(f"shard must be (rank, world) with 0 <= rank < world, got {shard}")
     if world > 1 and (generator is None or reduce_count is not None):
         raise ValueError("with shard, every rank needs the same `generator` (same mini-batches) and no "
                          "reduce_count (the mini-batch count is already the global one)")
@@ -580,6 +525,9 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
         raise ValueError("without old_logp the batch must fit one mini-batch (one optimizer step): after the first "
                          "step the updated policy is no longer the rollout policy")
     perm = torch.randperm(len(batch), generator=generator).to(device)
+    optimizers = [optimizer] + ([critic_optimizer] if critic is not None else [])
+    for o in optimizers:  # each step starts from zero gradients (and after each step they are zeroed)
+        o.zero_grad(set_to_none=True)
 
     zero = lambda: torch.zeros((), device=device)  # noqa: E731
     # totals over the steps actually taken: token sums of the token metrics, per-step sums of PER_STEP
@@ -596,10 +544,6 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
         token_denom = (reduce_count(tokens) if reduce_count is not None else tokens).clamp(min=1) / world
         step = {k: zero() for k in keys}
         finite = torch.ones((), dtype=torch.bool, device=device)
-        optimizer.zero_grad(set_to_none=True)
-        if critic is not None:
-            critic_optimizer.zero_grad(set_to_none=True)
-
         plan = micro_batches(len(mb), cfg.micro_batch, rank, world)
         for j, rows in enumerate(plan):
             # a rank out of rows trains row 0 with an all-zero mask: gradient exactly 0, but it joins the
@@ -652,17 +596,15 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
             finite = finite.float()
             torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
         if bool(finite):  # the one host sync per optimizer step: whether to step at all
-            optimizer.step()
-            if critic is not None:
-                critic_optimizer.step()
+            for o in optimizers:
+                o.step()
             for k in keys:
                 totals[k] += step[k]
             steps_taken += 1
         else:
             skipped += 1
-        optimizer.zero_grad(set_to_none=True)
-        if critic is not None:
-            critic_optimizer.zero_grad(set_to_none=True)
+        for o in optimizers:
+            o.zero_grad(set_to_none=True)
 
     stacked = torch.stack([totals[k] for k in keys])
     if world > 1:  # token sums add up; per-step sums were each rank's world-scaled share (grad norms: equal)

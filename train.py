@@ -15,9 +15,8 @@ The Echo Trap monitor (section 4.1) watches the paper's four signals: it warns w
 stays below 0.1x its early level for 10 iterations, when the grad norm jumps above 5x its running median, and
 when entropy swings by more than half its running median; `--stop-on-collapse` ends the run there, cleanly.
 
-The paper's runs, one flag each (docs/faithfulness.md): `--preset starpo` (no filter, k1 KL 0.001 in PPO's
-token rewards or GRPO's loss, clip 0.2/0.2) and `--preset starpo-s`, `--no-response-mask`, `--group-noise
-shared` (the default), `--online-k`, `--loss-agg`, 400-token replies for hub models (500 on bandit).
+The paper's runs, one flag each: `--preset starpo` / `starpo-s`, `--no-response-mask`, `--online-k`,
+`--loss-agg` (docs/faithfulness.md).
 
 Deviations from the paper / RAGEN (deliberate):
 1. All randomness of iteration i (training seeds, sampling, mini-batch order) derives from (seed, i), so
@@ -60,8 +59,7 @@ from advantages import (broadcast_to_tokens, gae, grpo_advantages, kl_penalized_
 from envs import ENVS, train_seeds
 from eval import evaluate, saved_rollout_settings, summarize
 from filter import select_groups
-from rollout import (RolloutConfig, Segment, default_reply_tokens, dump, rollout, rollout_rules,
-                     trained_mask)
+from rollout import RolloutConfig, Segment, default_reply_tokens, dump, rollout, trained_mask
 from starpo import (Batch, TokenLogprobs, UpdateConfig, make_optimizer, masked_mean, shared_prefix_len,
                     token_logprobs, update)
 
@@ -84,34 +82,34 @@ class Config:
                          choices=["grpo", "ppo"])
     preset: str | None = cli.flag(None, "the paper's recipes: starpo or starpo-s (explicit flags override)",
                                   choices=sorted(PRESETS))
-    filter: float = cli.flag(0.25, "fraction of prompt groups kept by in-group reward std (1.0 = off)")
+    filter: float = cli.flag(0.25, "fraction of prompt groups kept by in-group reward std (1.0 = off)", gt=0, hi=1)
     filter_smallest: bool = cli.flag(False, "keep the LOWEST-variance groups instead (the paper's ablation)")
     kl_coef: float = cli.flag(0.0, "KL-to-initial-policy coefficient (paper StarPO: 0.001; 0 = KL removal, "
-                                   "StarPO-S: KL is still measured)")
+                                   "StarPO-S: KL is still measured)", lo=0)
     kl_kind: str = cli.flag("k3", "KL estimator: k1 (RAGEN's `kl`, the paper's runs) or k3 (low-variance)",
                             choices=["k1", "k3"])
     kl_in_reward: bool | None = cli.flag(None, "PPO: subtract kl_coef x KL from the token rewards (RAGEN's "
                                                "apply_kl_penalty) instead of a loss term (default: on with --preset "
                                                "starpo --algo ppo, as the paper ran)")
-    clip_low: float = cli.flag(0.2, "PPO clip eps_low")
-    clip_high: float = cli.flag(0.28, "PPO clip eps_high (Clip-Higher; StarPO: 0.2)")
-    entropy_coef: float = cli.flag(0.001, "entropy bonus coefficient")
-    prompts: int = cli.flag(8, "P: prompts (initial states) per iteration")
-    rollouts: int = cli.flag(16, "N: rollouts per prompt (a group)")
-    max_turns: int = cli.flag(5, "turns per episode")
-    max_actions_per_turn: int = cli.flag(5, "actions per turn")
-    max_actions: int = cli.flag(10, "actions per episode")
+    clip_low: float = cli.flag(0.2, "PPO clip eps_low", lo=0, lt=1)
+    clip_high: float = cli.flag(0.28, "PPO clip eps_high (Clip-Higher; StarPO: 0.2)", lo=0)
+    entropy_coef: float = cli.flag(0.001, "entropy bonus coefficient", lo=0)
+    prompts: int = cli.flag(8, "P: prompts (initial states) per iteration", lo=1)
+    rollouts: int = cli.flag(16, "N: rollouts per prompt (a group)", lo=2)
+    max_turns: int = cli.flag(5, "turns per episode", lo=1)
+    max_actions_per_turn: int = cli.flag(5, "actions per turn", lo=1)
+    max_actions: int = cli.flag(10, "actions per episode", lo=1)
     max_new_tokens: int | None = cli.flag(None, "token budget per reply (default: tiny 100; hub models RAGEN's "
-                                                "400, 500 on bandit)")
+                                                "400, 500 on bandit)", lo=1)
     format_penalty: float = cli.flag(-0.1, "reward of a turn without a valid answer")
-    gamma: float = cli.flag(1.0, "GAE discount (PPO)")
-    lam: float = cli.flag(1.0, "GAE lambda (PPO)")
+    gamma: float = cli.flag(1.0, "GAE discount (PPO)", lo=0, hi=1)
+    lam: float = cli.flag(1.0, "GAE lambda (PPO)", lo=0, hi=1)
     grpo_std_norm: bool = cli.flag(True, "GRPO divides by the group std (off: Dr.GRPO's mean-only)")
-    mini_batch: int = cli.flag(32, "training sequences per optimizer step")
-    micro_batch: int = cli.flag(4, "training sequences per forward/backward (gradient accumulation)")
-    ppo_epochs: int = cli.flag(1, "passes over each rollout batch (the paper's runs: 1)")
+    mini_batch: int = cli.flag(32, "training sequences per optimizer step", lo=1)
+    micro_batch: int = cli.flag(4, "training sequences per forward/backward (gradient accumulation)", lo=1)
+    ppo_epochs: int = cli.flag(1, "passes over each rollout batch (the paper's runs: 1)", lo=1)
     online_k: int = cli.flag(1, "RAGEN's Online-k (paper Figure 7): roll out k x P prompts at once and use each "
-                                "trajectory once, over k times the optimizer steps (paper: 1)")
+                                "trajectory once, over k times the optimizer steps (paper: 1)", lo=1)
     group_noise: str = cli.flag("shared", "the N rollouts of a prompt meet the same payoffs/slips (shared: RAGEN's "
                                           "seeding) or draw their own (independent)", choices=["shared", "independent"])
     response_mask: bool = cli.flag(True, "train only the tokens the policy sampled (--no-response-mask: every "
@@ -119,27 +117,27 @@ class Config:
     loss_agg: str = cli.flag("token-mean", "how token losses become one: token mean over the mini-batch, or per "
                                            "sequence first (seq-mean-token-mean = the paper's 1/|tau| form)",
                              choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-    temperature: float = cli.flag(1.0, "rollout sampling temperature")
+    temperature: float = cli.flag(1.0, "rollout sampling temperature", gt=0)
     think: bool = cli.flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
-    context_turns: int = cli.flag(0, "history window: 0 = whole conversation (paper), K = last K turns")
-    steps: int | None = cli.flag(None, "training iterations (default: tiny 30, hub models 200)")
-    eval_every: int = cli.flag(10, "evaluate every this many iterations (0 = only at the end)")
-    eval_prompts: int | None = cli.flag(None, "eval prompts, <= 256 (default: tiny 128, hub models 256)")
-    eval_temperature: float = cli.flag(0.5, "eval sampling temperature (paper: 0.5)")
-    save_every: int = cli.flag(10, "checkpoint every this many iterations (0 = none, only final/)")
-    dump_trajectories: int = cli.flag(3, "trajectories written as text at each eval")
+    context_turns: int = cli.flag(0, "history window: 0 = whole conversation (paper), K = last K turns", lo=0)
+    steps: int | None = cli.flag(None, "training iterations (default: tiny 30, hub models 200)", lo=1)
+    eval_every: int = cli.flag(10, "evaluate every this many iterations (0 = only at the end)", lo=0)
+    eval_prompts: int | None = cli.flag(None, "eval prompts, <= 256 (default: tiny 128, hub models 256)", lo=1, hi=256)
+    eval_temperature: float = cli.flag(0.5, "eval sampling temperature (paper: 0.5)", lo=0)
+    save_every: int = cli.flag(10, "checkpoint every this many iterations (0 = none, only final/)", lo=0)
+    dump_trajectories: int = cli.flag(3, "trajectories written as text at each eval", lo=0)
     stop_on_collapse: bool = cli.flag(False, "end the run cleanly when the Echo Trap monitor fires")
-    seed: int = cli.flag(0, "seed of everything (training seeds, sampling, mini-batch order)")
+    seed: int = cli.flag(0, "seed of everything (training seeds, sampling, mini-batch order)", lo=0, hi=cli.SEED_MAX)
     out: str | None = cli.flag(None, "run folder (default: runs/ENV-ALGO-sSEED); never overwritten unless "
                                      "--overwrite")
     resume: str | None = cli.flag(None, "continue the run in this folder from its last checkpoint (only --steps, "
                                         "--device and --threads may change)")
     overwrite: bool = cli.flag(False, "replace the run already in --out (its metrics, checkpoints, dumps, final/)")
     model: str = cli.flag("tiny", "tiny (embedded, offline), a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or a folder")
-    lr: float | None = cli.flag(None, "policy learning rate (default: tiny 1e-4, hub models 1e-6)")
-    critic_lr: float | None = cli.flag(None, "critic learning rate, PPO (default: tiny 1e-3, hub models 1e-5)")
+    lr: float | None = cli.flag(None, "policy learning rate (default: tiny 1e-4, hub models 1e-6)", gt=0)
+    critic_lr: float | None = cli.flag(None, "critic learning rate, PPO (default: tiny 1e-3, hub models 1e-5)", gt=0)
     device: str = cli.flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
-    threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)")
+    threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)", lo=1)
     fused: bool = cli.flag(True, "chunked log-prob/entropy path that never builds [B, T, V] logits")
     webshop_data: str | None = cli.flag(None, "folder with the original WebShop files (default: shipped catalogue)")
     plot: list[str] | None = cli.flag(None, "draw the Echo Trap signals of these run folders into one PNG and exit")
@@ -156,34 +154,8 @@ def derive(cfg: Config, explicit: set[str]) -> Config:
     cli.fill_defaults(cfg, MODEL_DEFAULTS[kind])  # tiny-sized folders get the tiny ones too
     cli.fill_defaults(cfg, dict(max_new_tokens=default_reply_tokens(kind, cfg.env),
                                 kl_in_reward=cfg.preset == "starpo" and cfg.algo == "ppo"))
-    cli.check(rollout_rules(cfg) + [
-        (0 < cfg.filter <= 1, f"--filter {cfg.filter}: must be in (0, 1]"),
-        (cfg.prompts >= 1, f"--prompts {cfg.prompts}: must be >= 1"),
-        (cfg.rollouts >= 2, f"--rollouts {cfg.rollouts}: must be >= 2 (a group needs a spread)"),
-        (cfg.lr > 0, f"--lr {cfg.lr}: must be > 0"),
-        (cfg.critic_lr > 0, f"--critic-lr {cfg.critic_lr}: must be > 0"),
-        (cfg.kl_coef >= 0, f"--kl-coef {cfg.kl_coef}: must be >= 0"),
-        (cfg.entropy_coef >= 0, f"--entropy-coef {cfg.entropy_coef}: must be >= 0"),
-        (0 <= cfg.clip_low < 1, f"--clip-low {cfg.clip_low}: must be in [0, 1)"),
-        (cfg.clip_high >= 0, f"--clip-high {cfg.clip_high}: must be >= 0"),
-        (0 <= cfg.gamma <= 1, f"--gamma {cfg.gamma}: must be in [0, 1]"),
-        (0 <= cfg.lam <= 1, f"--lam {cfg.lam}: must be in [0, 1]"),
-        (cfg.mini_batch >= 1, f"--mini-batch {cfg.mini_batch}: must be >= 1"),
-        (cfg.micro_batch >= 1, f"--micro-batch {cfg.micro_batch}: must be >= 1"),
-        (cfg.online_k >= 1, f"--online-k {cfg.online_k}: must be >= 1"),
-        (cfg.ppo_epochs >= 1, f"--ppo-epochs {cfg.ppo_epochs}: must be >= 1"),
-        (not (cfg.kl_in_reward and cfg.algo == "grpo"), "--kl-in-reward: PPO only (GRPO has no token rewards; "
-                                                        "its KL is a loss term, RAGEN's kl_loss_type)"),
-        (cfg.temperature > 0, f"--temperature {cfg.temperature}: must be > 0"),
-        (cfg.eval_temperature >= 0, f"--eval-temperature {cfg.eval_temperature}: must be >= 0"),
-        (cfg.steps >= 1, f"--steps {cfg.steps}: must be >= 1"),
-        (cfg.eval_every >= 0, f"--eval-every {cfg.eval_every}: must be >= 0 (0 = only at the end)"),
-        (cfg.save_every >= 0, f"--save-every {cfg.save_every}: must be >= 0 (0 = no checkpoints)"),
-        (cfg.dump_trajectories >= 0, f"--dump-trajectories {cfg.dump_trajectories}: must be >= 0"),
-        (1 <= cfg.eval_prompts <= 256, f"--eval-prompts {cfg.eval_prompts}: must be in 1..256"),
-        cli.seed_rule(cfg.seed),
-        (cfg.threads >= 1, f"--threads {cfg.threads}: must be >= 1"),
-    ])
+    cli.check(cli.bounds(cfg) + [(not (cfg.kl_in_reward and cfg.algo == "grpo"), "--kl-in-reward: PPO only (GRPO "
+                                  "has no token rewards; its KL is a loss term, RAGEN's kl_loss_type)")])
     cfg.groups = cfg.prompts * cfg.online_k
     cfg.groups_kept = max(1, int(cfg.filter * cfg.groups))
     cfg.out = cfg.out if cfg.out is not None else f"runs/{cfg.env}-{cfg.algo}-s{cfg.seed}"
@@ -200,8 +172,7 @@ def inherit_rendering(cfg: Config, explicit: set[str]) -> Config:
 
 
 def load_model_and_env(cfg, device):
-    """-> (policy, tokenizer, its path, env overrides), checked: a reply budget the model cannot read, or a bad
-    env override, fails here, before a run writes anything (train.py and sft_baseline.py)."""
+    """-> (policy, tokenizer, its path, env overrides), checked before a run writes anything."""
     from policy import load_policy
     with dist.main_first():  # rank 0 builds (tiny) or downloads the model into the cache, then the others load
         policy, tok, path = load_policy(cfg.model, device)
@@ -234,9 +205,8 @@ def evaluates(cfg: Config, it: int) -> bool:
 # ------------------------------------------------------------------------------------------- the batch
 
 def collate(trajs, advantages_per_traj, pad_id: int, response_mask: bool = True):
-    """Training rows from kept trajectories: one row per segment; -> input_ids, attention_mask, loss_mask
-    [B, T] (rollout.trained_mask), each row's trajectory reward [B] and trajectory advantage [B] (GRPO; zeros
-    for PPO)."""
+    """One training row per segment of the kept trajectories; -> input_ids, attention_mask, loss_mask [B, T]
+    (rollout.trained_mask), each row's trajectory reward [B] and advantage [B] (GRPO; zeros for PPO)."""
     from policy import pad_segments
     segs, scores, advs = [], [], []
     for t, a in zip(trajs, advantages_per_traj):
@@ -347,8 +317,8 @@ RESUMABLE = {"resume", "steps", "device", "threads"}  # the flags a resumed run 
 
 
 def resume_config(cfg: Config, explicit: set[str]) -> Config:
-    """The run's own config from RUN/config.json, with --steps, --device and --threads as typed; other flags
-    typed with --resume are an error (they would be ignored)."""
+    """The run's own config from RUN/config.json, with --steps, --device and --threads as typed (other flags
+    would be ignored, so they are an error)."""
     run = Path(cfg.resume)
     if not (run / "config.json").is_file():
         raise ValueError(f"--resume {cfg.resume}: no config.json there (is it a run folder?)")

@@ -165,8 +165,6 @@ def test_broadcast_to_tokens():
     for b in range(3):
         for t in range(10):
             assert out[b, t].item() == (adv[b].item() if mask[b, t] == 1 else 0.0)
-    with pytest.raises(ValueError):
-        broadcast_to_tokens(adv[:2], mask)
 
 
 def test_kl_penalized_rewards_matches_loop():

@@ -224,9 +224,6 @@ def test_train_seeds():
     assert len(set(a)) == 500 and all(isinstance(s, int) and 1000 <= s < 2**31 for s in a)
     assert not set(a) & set(envs.EVAL_SEEDS)
     assert len(envs.train_seeds(np.random.default_rng(0), 3)) == 3 and envs.train_seeds(1, 0) == []
-    for bad in [(-1, 3), (1, -2), ("x", 3), (1, 2.5)]:
-        with pytest.raises(ValueError):
-            envs.train_seeds(*bad)
 
 
 @pytest.mark.parametrize("name", ALL)
