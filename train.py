@@ -449,22 +449,20 @@ def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
         c, color = cfgs[run], f"C{n % 10}"
         label = Path(run).name + (" (" + ", ".join(f"{k} {c.get(k)}" for k in differ) + ")" if differ else "")
         for ax, (key, title, signal) in zip(axes, PLOT_KEYS):
-            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            have = [r for r in rows if r.get(key) is not None]
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("iteration")
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            if not pts:
+            if not have:
                 continue
-            xs, ys = zip(*pts)
+            xs, ys = [r["step"] for r in have], [r[key] for r in have]
             if key == "eval/success":
-                lo = [y - r["eval/success_lo"] for r, y in zip([r for r in rows if key in r], ys)]
-                hi = [r["eval/success_hi"] - y for r, y in zip([r for r in rows if key in r], ys)]
-                ax.errorbar(xs, ys, yerr=[lo, hi], color=color, marker="o", ms=4, capsize=4, lw=1.5, label=label)
+                bars = [[r[key] - r["eval/success_lo"] for r in have], [r["eval/success_hi"] - r[key] for r in have]]
+                ax.errorbar(xs, ys, yerr=bars, color=color, marker="o", ms=4, capsize=4, lw=1.5, label=label)
                 continue
             ax.plot(xs, ys, color=color, lw=0.8, alpha=0.3)
-            ax.plot(xs, running_mean(list(ys)), color=color, lw=2, label=label)
-            fired = [(x, y) for x, y, r in zip(xs, ys, [r for r in rows if key in r])
-                     if signal and r.get(f"echo/{signal}")]
+            ax.plot(xs, running_mean(ys), color=color, lw=2, label=label)
+            fired = [(r["step"], r[key]) for r in have if signal and r.get(f"echo/{signal}")]
             if fired:
                 ax.scatter(*zip(*fired), color=color, marker="x", s=40, zorder=3)
     last = max((r["step"] for rows in runs.values() for r in rows), default=1)
