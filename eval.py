@@ -14,11 +14,8 @@ A policy folder written by train.py or sft_baseline.py holds `train_config.json`
 with the prompts it was trained on.
 
 Deviations from the paper / RAGEN (deliberate):
-1. `random` and `expert` are scripted agents through the same rollout loop, so every table has a floor and a
-   ceiling; their replies are rendered as text (response length is not reported for them). The expert plans
-   up to max_actions_per_turn actions per turn on a copy of the env that shares its random stream, so on
-   slippery FrozenLake each planned action already accounts for the slips before it: a true ceiling (a real
-   agent commits to its actions before seeing the slips).
+1. `random` and `expert` are scripted agents through the same rollout loop: a floor and a ceiling. The expert
+   plans its turn on a copy of the env that shares its slips, so on FrozenLake it is a true ceiling.
 2. One rollout per prompt (the paper's 256 prompts x 1): `sample` 0 of each seed, i.e. fixed payoffs and slips
    per prompt, so two policies meet the same luck.
 """

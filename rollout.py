@@ -23,18 +23,13 @@ window changes what the model sees, not what it is credited with.
 Deviations from the paper / RAGEN (deliberate):
 1. The assistant turn is pre-filled with the opening tag ("<think>", or "<answer>" with --no-think), as RAGEN's
    ctx_manager does; here the tag is a template token (mask 0).
-2. Generation stops at "</answer>" in a row's text, at EOS or the generation_config's end tokens, or at
-   max_new_tokens; the template's end-of-turn marker is appended (mask 0) unless the policy sampled EOS. The
-   sampled tokens are trained as sampled (RAGEN re-renders a parsed reply and re-tokenises it).
-3. Actions follow RAGEN's es_manager (the first max_actions_per_turn words are read; unknown words change
-   nothing and use no budget; an invalid word or no valid action costs the format penalty once), except that
-   words after the last one run are not checked: in WebShop a word's validity depends on the page it meets.
-4. Decoding is our own loop over `model.base_model` + the LM head (RAGEN samples with vLLM): the same on
-   transformers 4.x and 5.x, logits only for the last position. Each episode's KV cache lives across its
-   turns (`EpisodeCache`): a turn runs only the tokens appended since the last one, a group's shared first
-   prompt runs once, a reply's cache is allocated once (`ReplyCache`). The same math as re-prefilling
-   (`kv_cache=False`) up to float rounding (~1e-6 in float32: identical samples observed, not guaranteed;
-   tested exactly in float64). A history window re-prefills its prompt, which changes every turn.
+2. A reply ends at "</answer>", an end token or max_new_tokens, and is trained as sampled (RAGEN re-renders the
+   parsed reply and re-tokenises it); the template's end-of-turn marker follows (mask 0).
+3. Actions follow RAGEN's es_manager (`act_turn`), except that words after the last one run are not checked:
+   in WebShop a word's validity depends on the page it meets.
+4. Decoding is our own loop over `model.base_model` + the LM head (RAGEN: vLLM). Each episode's KV cache lives
+   across its turns (`EpisodeCache`; a history window re-prefills, its prompt changes every turn): the math of
+   re-prefilling (`kv_cache=False`) up to float rounding, tested exactly in float64.
 5. The random agent draws each action among those valid after the previous ones (planned on a copy of the
    env): WebShop's clickables change with the page.
 6. RAGEN's prompt layout with shorter words (no "Strictly follow this format...", no answer examples), and the

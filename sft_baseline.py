@@ -18,20 +18,12 @@ q/k/v/o and MLP gate/up/down; not the embeddings or the LM head) gets y = W x + 
 frozen, A random, B = 0, so training starts exactly at the pretrained model; export merges W + (alpha / r) B A.
 
 Deviations from the paper / RAGEN (deliberate):
-1. `--model tiny` defaults (also for folders of its size, policy.model_kind): full fine-tuning (`--lora-rank
-   0`: a rank-64 adapter on a 128-wide layer is as large as the layer), a 1-turn history window (one example
-   per turn), 2,800 expert trajectories x 3 epochs in batches of 16 at lr 2e-3, AdamW beta2 0.95: what fits
-   10 CPU minutes (docs/sft.md has the search). Hub models get the paper's values (1,000 trajectories, LoRA
-   r64 / alpha 32, lr 1e-4, batch 128, 5 epochs, the whole conversation, beta2 0.999).
-2. A curriculum of short examples comes first (`--short-steps`, tiny default 300 steps of 32, hub models 0):
-   each state the expert met, shown alone ("State:\n<grid>"), answered by the expert's reply to it. Without
-   it the tiny model sat on a plateau at chance for a number of steps that varied with the seed and the CPU
-   and decided the result; a short example costs about half a full one (docs/sft.md has the seeds).
-3. The expert answers with `--expert-actions` moves per turn, default ceil(max_actions / max_turns) = 2 (one
-   move per turn caps the expert at 73% of the eval rooms in 5 turns; two, 99.6%). On slippery FrozenLake a
-   turn's later moves know the earlier moves' slips (the plan runs on a copy of the env), which the policy
-   cannot. The thought is rollout.expert_agent's truthful template: where things are and, on Sokoban, the next
-   push and where to stand for it, then the moves (envs.py deviation 9).
+1. `--model tiny` defaults: full fine-tuning (a rank-64 adapter is as large as its 128-wide layers), a 1-turn
+   window, 2,800 trajectories x 3 epochs, batches of 16, lr 2e-3, beta2 0.95 (docs/sft.md); hub models: the paper's.
+2. A curriculum first (`--short-steps`; tiny 300 x 32, hub models 0): each expert state alone, answered by the
+   expert's reply; without it the tiny model sat at chance as long as the seed and CPU decided (docs/sft.md).
+3. The expert makes ceil(max_actions / max_turns) = 2 moves per turn (`--expert-actions`; one caps it at 73% of
+   the eval rooms), its thought a truthful template (envs.py deviation 9).
 4. Every expert trajectory is kept, solved or not (keeping solved FrozenLake episodes selects lucky slips).
 5. The learning rate warms up over the first 5% of the steps, then decays to 0 on a cosine (the paper states
    only the peak); gradients are clipped at norm 1.0, as in train.py.
@@ -125,7 +117,7 @@ def derive(cfg: Config, explicit: set[str]) -> Config:
     if cfg.expert_actions is None:  # the fewest moves per turn that let the expert use the whole budget
         cfg.expert_actions = min(cfg.max_actions_per_turn, -(-cfg.max_actions // max(1, cfg.max_turns)))
     cli.check(cli.bounds(cfg) + [
-        (cfg.expert_actions <= cfg.max_actions_per_turn and cfg.expert_actions >= 1,
+        (1 <= cfg.expert_actions <= cfg.max_actions_per_turn,
          f"--expert-actions {cfg.expert_actions}: must be in 1..{cfg.max_actions_per_turn} (--max-actions-per-turn)"),
         (not cfg.webshop_data or cfg.env == "webshop",
          f"--webshop-data {cfg.webshop_data}: only for --env webshop (this run: --env {cfg.env})"),

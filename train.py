@@ -166,7 +166,7 @@ def inherit_rendering(cfg: Config, explicit: set[str]) -> Config:
     """A --model folder saved by train.py or sft_baseline.py is trained on prompts rendered as it was trained
     (history window, think mode, budgets, from its train_config.json), unless a flag says otherwise."""
     inherited = {k: v for k, v in saved_rollout_settings(cfg.model, "--model").items() if k not in explicit}
-    if inherited:
+    if inherited and os.environ.get("RANK", "0") == "0":  # before the process group exists: torchrun's variable
         print(f"rollout settings of {cfg.model}: {json.dumps(inherited)}")
     return replace(cfg, **inherited)
 
