@@ -39,7 +39,6 @@ Deviations from the paper / RAGEN (deliberate):
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 import os
@@ -323,11 +322,6 @@ def resume_config(cfg: Config, explicit: set[str]) -> Config:
     if not (run / "config.json").is_file():
         raise ValueError(f"--resume {cfg.resume}: no config.json there (is it a run folder?)")
     saved = cli.read_json(run / "config.json", f"--resume {cfg.resume}")
-    names = {f.name for f in dataclasses.fields(Config)}
-    unknown = sorted(set(saved) - names)
-    if unknown:
-        raise ValueError(f"--resume {cfg.resume}: {run / 'config.json'} has keys this train.py does not know: "
-                         f"{', '.join(unknown)}")
     ignored = sorted(explicit - RESUMABLE)
     if ignored:
         raise ValueError(f"--resume keeps the run's own config; it cannot change "
