@@ -193,7 +193,10 @@ def test_ctrl_c_says_how_to_resume_and_exits_130(bandit_tiny, tmp_path):
                              bandit_tiny, "--steps", "500", "--prompts", "4", "--rollouts", "4", "--eval-every", "0",
                              "--eval-prompts", "2", "--save-every", "1", "--out", str(out)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                            # as typed in a terminal: a suite started in the background of a non-interactive shell
+                            # ignores SIGINT, and a child would inherit that and never see the Ctrl-C
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 240
     while not (out / "latest").exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
