@@ -26,7 +26,7 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -179,6 +179,8 @@ def main(argv=None):
                 print(f"--policy {cfg.policy} is a run folder: loading {folder}", file=sys.stderr)
             model, tok, path = load_policy(folder, device, flag_name="--policy")
         rcfgs = {env: rollout_config_for(path, cfg, env) for env in envs}
+        for rcfg in rcfgs.values():  # the values saved beside the policy meet the flags' bounds too
+            cli.check(cli.bounds(replace(cfg, **{k: getattr(rcfg, k) for k in ROLLOUT_KEYS if hasattr(cfg, k)})))
         positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         if positions is not None and rcfgs[envs[0]].max_new_tokens >= positions:
             raise ValueError(f"--max-new-tokens {rcfgs[envs[0]].max_new_tokens}: the model reads at most "

@@ -423,8 +423,8 @@ class Batch:
         return self.input_ids.shape[0]
 
     def _map(self, fn) -> "Batch":
-        return Batch(**{f.name: v if v is None or f.name == "prefix_len" else fn(v)
-                        for f in dataclasses.fields(self) for v in [getattr(self, f.name)]})
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return Batch(**{k: v if v is None or k == "prefix_len" else fn(v) for k, v in values.items()})
 
     def to(self, device) -> "Batch":
         return self._map(lambda t: t.to(device))

@@ -39,6 +39,7 @@ Deviations from the paper / RAGEN (deliberate):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -322,6 +323,10 @@ def resume_config(cfg: Config, explicit: set[str]) -> Config:
     if not (run / "config.json").is_file():
         raise ValueError(f"--resume {cfg.resume}: no config.json there (is it a run folder?)")
     saved = cli.read_json(run / "config.json", f"--resume {cfg.resume}")
+    unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(Config)})
+    if unknown:
+        raise ValueError(f"--resume {cfg.resume}: {run / 'config.json'} has keys this train.py does not know: "
+                         f"{', '.join(unknown)}")
     ignored = sorted(explicit - RESUMABLE)
     if ignored:
         raise ValueError(f"--resume keeps the run's own config; it cannot change "

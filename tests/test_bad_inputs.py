@@ -58,6 +58,9 @@ def damaged(base: Path, tmp: Path, damage: str) -> Path:
         state.write_bytes(state.read_bytes()[:100])
     elif damage == "metrics":
         (run / "metrics.jsonl").unlink()
+    elif damage == "saved-settings":  # a rollout setting saved beside the policy, edited out of its bounds
+        saved = json.loads((run / "final" / "train_config.json").read_text())
+        (run / "final" / "train_config.json").write_text(json.dumps({**saved, "max_turns": 0}))
     elif damage == "no-checkpoint":  # a run killed before its first checkpoint and before final/
         for p in list(run.glob("ckpt-*")) + [run / "final"]:
             shutil.rmtree(p)
@@ -111,6 +114,7 @@ CASES = [
     ("eval", ["--policy", "random", "--json", "TMP/none/x.json"], "--json", None),
     ("eval", ["--policy", "random", "--webshop-data", "TMP"], "--webshop-data", None),
     ("eval", ["--policy", "RUN", "--env", "bandit"], "neither final", "no-checkpoint"),
+    ("eval", ["--policy", "RUN/final", "--env", "bandit"], "--max-turns 0", "saved-settings"),
     ("eval", ["--policy", "TMP/broken-model"], "cannot load", None),
     ("sft", ["--lora-rank", "-1"], "--lora-rank -1", None),
     ("sft", ["--adam-beta2", "1.0"], "--adam-beta2 1.0", None),
