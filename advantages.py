@@ -10,9 +10,8 @@ Token convention shared by every file: a row of a [B, T] tensor holds one whole 
 padding. The mask comes from positions recorded during the rollout, never from token ids.
 
 Deliberate deviations from the paper / RAGEN (which uses verl's estimators):
-1. `gae` zeroes the advantage on tokens outside the mask (verl carries the running value there). Those tokens
-   never enter a loss, so this only makes the tensors easier to read and test. `returns = advantages + values`
-   holds everywhere, so outside the mask `returns == values`.
+1. `gae` zeroes the advantage outside the mask (verl carries the running value there; those tokens never enter a
+   loss, so this only makes the tensors readable), so there `returns == values`.
 2. `gae` raises ValueError when a reward sits on a token outside the mask; verl silently drops it. Use
    `place_reward_on_last_token`, which always puts the reward on a sampled token.
 3. `grpo_advantages` gives 0 to a group of one (verl divides such a score by 1 + eps, i.e. the raw score is the
@@ -37,13 +36,11 @@ def place_reward_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torc
     sampled = mask > 0  # [B, T]
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)  # [B, T]
     last = torch.where(sampled, positions, -1).amax(dim=1)  # [B], -1 for an all-masked row
-    has_token = last >= 0  # [B]
     dtype = scores.dtype if scores.is_floating_point() else torch.float32
-    token_rewards = torch.zeros(mask.shape, dtype=dtype, device=mask.device)  # [B, T]
+    values = torch.where(last >= 0, scores.to(dtype), 0.0)  # [B]
     # scatter instead of boolean indexing: no host sync, and all-masked rows write a 0 to column 0
-    values = torch.where(has_token, scores.to(dtype), 0.0)  # [B]
-    token_rewards.scatter_(1, last.clamp(min=0).unsqueeze(1), values.unsqueeze(1))
-    return token_rewards
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).scatter_(1, last.clamp(min=0).unsqueeze(1),
+                                                                             values.unsqueeze(1))  # [B, T]
 
 
 def kl_penalized_rewards(token_rewards: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
@@ -62,8 +59,7 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     Tokens outside the mask are skipped: their value and TD error do not enter the recursion, so the chain runs
     from the last reply token of one turn straight to the first reply token of the next, across the environment
     message in between. After a row's last sampled token the next value is 0 (the episode ended).
-    Returns (advantages [B, T], returns [B, T]) with returns = advantages + values; advantages are 0 outside the
-    mask. Paper setting: gamma = lam = 1 (Appendix C.2). Whitening is separate (`whiten`), as in verl.
+    Returns (advantages [B, T], returns = advantages + values [B, T]); whitening is separate (`whiten`), as in verl.
     """
     sampled = mask > 0  # [B, T]
     if bool(((token_rewards != 0) & ~sampled).any()):
@@ -88,11 +84,9 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     return advantages, returns
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Masked whitening over the whole batch: mean 0, std 1 over the tokens where mask == 1 (as verl does for
-    PPO advantages). Unbiased variance, x' = (x - mean) / sqrt(var + eps); `shift_mean=False` adds the mean back
-    (only the scale changes). Outside the mask the result is 0.
-    """
+    PPO advantages). Unbiased variance, x' = (x - mean) / sqrt(var + eps); 0 outside the mask."""
     sampled = mask > 0
     count = int(sampled.sum())
     if count < 2:
@@ -100,10 +94,7 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: fl
     xs = torch.where(sampled, x.float(), 0.0)
     mean = xs.sum() / count
     var = (torch.where(sampled, x.float() - mean, 0.0) ** 2).sum() / (count - 1)  # unbiased, as verl
-    out = (x.float() - mean) * torch.rsqrt(var + eps)
-    if not shift_mean:
-        out = out + mean
-    return torch.where(sampled, out, 0.0)
+    return torch.where(sampled, (x.float() - mean) * torch.rsqrt(var + eps), 0.0)
 
 
 def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence, eps: float = 1e-6,
@@ -127,13 +118,10 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence, ep
     G = int(inverse.max()) + 1
     count = torch.zeros(G, device=s.device).index_add_(0, inverse, torch.ones_like(s))  # [G]
     mean = torch.zeros(G, device=s.device).index_add_(0, inverse, s) / count  # [G]
-    centered = s - mean[inverse]  # [B]
-    if not norm_by_std:
-        adv = centered
-    else:
-        sq = torch.zeros(G, device=s.device).index_add_(0, inverse, centered ** 2)  # [G]
-        std = torch.sqrt(sq / (count - 1).clamp(min=1))  # [G] unbiased
-        adv = centered / (std[inverse] + eps)
+    adv = s - mean[inverse]  # [B] centred
+    if norm_by_std:
+        sq = torch.zeros(G, device=s.device).index_add_(0, inverse, adv ** 2)  # [G]
+        adv = adv / (torch.sqrt(sq / (count - 1).clamp(min=1))[inverse] + eps)  # unbiased std
     return torch.where(count[inverse] > 1, adv, 0.0)
 
 

@@ -1,40 +1,32 @@
 """Text environments of the RAGEN paper: Bandit (three arm namings), Sokoban (three variants), FrozenLake.
 
-Concept: every environment is a small, seeded, text-in/text-out class with one public shape
-(`make_env`, `name`, `actions`, `instruction`, `reset(seed)`, `step(action)`, `render()`,
-`expert_action()`, `done`). The paper's symbolic tasks (Section 3.1): Bandit (one step, stochastic
-payoff, risk-sensitive reasoning), Sokoban (multi-turn, deterministic, irreversible pushes),
-FrozenLake (multi-turn, stochastic transitions). Evaluation uses 256 fixed prompts (Section 3.3):
-`EVAL_SEEDS` = 123..378; `train_seeds` draws training seeds that can never collide with them.
-The initial state (room/map generation, arm order) comes from a `numpy.random.Generator` seeded by
-`reset(seed)`; the dynamics' noise (bandit payoffs, slips) from a second one seeded by (seed, sample). So
-(seed, sample, action words) fully determine an episode; rollouts with the same seed share their start, and
-with the same sample also their luck (deviation 2).
-The experts feed the SFT baseline (Appendix G: BFS expert trajectories) and the tests.
+Concept: every environment is a small, seeded, text-in/text-out class with one public shape (`make_env`, `name`,
+`actions`, `instruction`, `reset(seed)`, `step(action)`, `render()`, `expert_action()`, `done`). The paper's
+symbolic tasks (Section 3.1): Bandit (one step, stochastic payoff, risk-sensitive reasoning), Sokoban (multi-turn,
+deterministic, irreversible pushes), FrozenLake (multi-turn, stochastic transitions). Evaluation uses 256 fixed
+prompts (Section 3.3): `EVAL_SEEDS` = 123..378; `train_seeds` draws training seeds that never collide with them.
+The initial state (room/map generation, arm order) comes from a `numpy.random.Generator` seeded by `reset(seed)`,
+the dynamics' noise (bandit payoffs, slips) from a second one seeded by (seed, sample): (seed, sample, action
+words) fully determine an episode (deviation 2). The experts feed the SFT baseline (Appendix G) and the tests.
 
 Deliberate deviations from the paper or RAGEN's code:
 1. Bandit's safe arm pays 0.15 (the paper's Appendix; RAGEN's code: 0.1); risky: 1.0 w.p. 0.25 in both.
    RAGEN's held-out names (BanditTest: safe "Trader", risky "Librarian") are the env `bandit-test`.
-2. `reset(seed, sample)`: the N rollouts of a prompt share its start; the same `sample` also gives the same
-   payoffs and slips, as RAGEN seeds a group (train.py --group-noise). Arms are listed alphabetically in the
-   instruction and in a random order per reset in the observation.
-3. Sokoban draws from one numpy Generator per reset (RAGEN: global `random` + legacy numpy, re-seeded with
-   `hash(str(seed))` on a failed attempt): the same algorithm and distribution, other rooms per seed.
-   FrozenLake's maps equal RAGEN's on all 256 eval seeds; only the slip draws differ.
-4. Sokoban generation is RAGEN's / gym-sokoban's (random-walk topology, reverse play by a depth-limited DFS
-   scored by box swaps x displacement, 0-3 random player moves), with RAGEN's DFS depths (sokoban 300,
-   newvocab 30, large 10); no filter on solution length (some rooms need more than 10 actions, as in RAGEN).
+2. The N rollouts of a prompt share its start and, with the same `sample`, its payoffs and slips, as RAGEN seeds
+   a group (train.py --group-noise). Arms: alphabetical in the instruction, in a random order per reset.
+3. Sokoban: one numpy Generator per reset (RAGEN: global `random` + legacy numpy, re-seeded by `hash(str(seed))`
+   on a failure): same algorithm and distribution, other rooms. FrozenLake's maps are RAGEN's on all 256 eval seeds.
+4. Sokoban generation is gym-sokoban's (random-walk topology, reverse play by a depth-limited DFS scored by box
+   swaps x displacement, 0-3 random player moves), RAGEN's DFS depths (300; newvocab 30, large 10), no length filter.
 5. Sokoban's reward is gym-sokoban's (-0.1 per step, +-1 per box on or off a target, +10 solved), without
    its 100-step limit (the rollout owns budgets). An unknown word is invalid: reward 0, nothing changes.
 6. Grids are rows of symbols without spaces; instructions are short paraphrases of RAGEN's prompts.
 7. FrozenLake: RAGEN's maps (frozen w.p. 0.8, regenerated until a path avoids the holes), gymnasium's slips
    (intended or either perpendicular direction, 1/3 each) drawn from the env's own Generator.
-8. Experts (RAGEN has none for FrozenLake; its Sokoban BFS stops at depth 100): Sokoban, the first step of an
-   uncapped fewest-moves BFS plan; FrozenLake, the action that maximises the probability of ever reaching
-   the goal, ties broken by the 0.9-discounted success value (it never dawdles).
-9. Sokoban and FrozenLake `describe()` where things are ("player at 3 5, box at 4 4, target at 5 3", row and
-   column from 1 at the top left). The SFT expert's thought starts with it (`expert_note()`), and Sokoban's
-   adds the next push of its plan and where it stands to push: a truthful scratchpad (docs/sft.md).
+8. Experts (RAGEN: none for FrozenLake, a depth-100 BFS for Sokoban): Sokoban, the first step of an uncapped
+   fewest-moves BFS plan; FrozenLake, the most likely to ever reach the goal, ties by the 0.9-discounted value.
+9. `describe()` says where things are ("player at 3 5, box at 4 4, target at 5 3"; rows, columns from 1): the SFT
+   expert's thought starts with it (`expert_note()`), Sokoban's adds its plan's next push (docs/sft.md).
 """
 from __future__ import annotations
 
@@ -49,14 +41,10 @@ TRAIN_SEED_LOW, TRAIN_SEED_HIGH = 1000, 2**31  # training seeds live here, far f
 def train_seeds(rng_or_seed, n: int) -> list[int]:
     """n distinct training seeds from [1000, 2**31), never one of EVAL_SEEDS."""
     rng = rng_or_seed if isinstance(rng_or_seed, np.random.Generator) else np.random.default_rng(rng_or_seed)
-    seeds: list[int] = []
-    seen: set[int] = set()
+    seeds: dict[int, None] = {}  # an ordered set: each seed at its first draw
     while len(seeds) < n:
-        for s in rng.integers(TRAIN_SEED_LOW, TRAIN_SEED_HIGH, size=n - len(seeds)).tolist():
-            if s not in seen:
-                seen.add(s)
-                seeds.append(s)
-    return seeds
+        seeds.update(dict.fromkeys(rng.integers(TRAIN_SEED_LOW, TRAIN_SEED_HIGH, size=n - len(seeds)).tolist()))
+    return list(seeds)
 
 
 def _check_seed(env_name: str, seed) -> int:
@@ -86,7 +74,8 @@ def _int_option(env_name: str, key: str, value, lo: int, hi: int) -> int:
 
 
 class _TextEnv:
-    """The shared guard logic: reset before use, parse action words, refuse to step a finished episode."""
+    """The shared guard logic: reset before use, parse action words, refuse to step a finished episode. A subclass
+    writes `_start(seed, noise)` (its initial state), `_render`, `_success`, `_apply(i)` and `expert_action`."""
 
     name = ""
     actions: list[str] = []
@@ -97,15 +86,19 @@ class _TextEnv:
         self._lookup = {a.lower(): i for i, a in enumerate(self.actions)}
 
     def _parse(self, action):
-        if not isinstance(action, str):
-            return None
-        return self._lookup.get(action.strip().lower())
+        return self._lookup.get(action.strip().lower()) if isinstance(action, str) else None
 
     def _require_live(self, what: str):
         if not self._ready:
             raise RuntimeError(f"{self.name}: call reset(seed) before {what}")
         if self.done:
             raise RuntimeError(f"{self.name}: the episode is over; call reset(seed) before {what}")
+
+    def reset(self, seed: int, sample: int = 0) -> str:
+        seed = _check_seed(self.name, seed)
+        self._start(seed, _noise(self.name, seed, sample))  # the start from `seed`, the dynamics' noise (deviation 2)
+        self.done, self._ready = False, True
+        return self._render()
 
     def render(self) -> str:
         if not self._ready:
@@ -121,9 +114,7 @@ class _TextEnv:
         return self._apply(i)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Bandit (Section 3.1; Appendix: safe arm 0.15, risky arm 1.0 w.p. 0.25)
-# ---------------------------------------------------------------------------------------------------
+# ---------------------------------------------- Bandit (Section 3.1; Appendix: safe arm 0.15, risky arm 1.0 w.p. 0.25)
 
 class BanditEnv(_TextEnv):
     name = "bandit"
@@ -148,14 +139,9 @@ class BanditEnv(_TextEnv):
         )
         super().__init__()
 
-    def reset(self, seed: int, sample: int = 0) -> str:
-        seed = _check_seed(self.name, seed)
+    def _start(self, seed: int, noise: np.random.Generator):
         first, second = self.actions if np.random.default_rng(seed).random() < 0.5 else self.actions[::-1]
-        self._rng = _noise(self.name, seed, sample)  # the payoff's own stream (deviation 2)
-        self._obs = f"Arms: {first}, {second}"
-        self._pulled = None
-        self.done, self._ready = False, True
-        return self._obs
+        self._rng, self._obs, self._pulled = noise, f"Arms: {first}, {second}", None  # noise: the payoffs
 
     def _render(self) -> str:
         return self._obs
@@ -191,9 +177,7 @@ class BanditTestEnv(BanditEnv):
     DEFAULTS = {"safe_name": "Trader", "risky_name": "Librarian"}
 
 
-# ---------------------------------------------------------------------------------------------------
-# Sokoban (Section 3.1): reverse-play generation as RAGEN / gym-sokoban, BFS expert
-# ---------------------------------------------------------------------------------------------------
+# ----------------------------------- Sokoban (Section 3.1): reverse-play generation as RAGEN / gym-sokoban, BFS expert
 
 SOKOBAN_SYMBOLS = {  # order: wall, empty, target, box, box on target, player, player on target
     "classic": ("#", "_", "O", "X", "√", "P", "S"),
@@ -237,34 +221,23 @@ def _reverse_play(floor: list[bool], width: int, targets: list[int], player: int
     explored: set = set()
     best = [-1, player, tuple(targets), 0]
 
-    def displacement(pos):
-        return sum(abs(p // width - t // width) + abs(p % width - t % width) for p, t in zip(pos, targets))
-
     def visit(p, pos, pulled, swaps, last, ttl):
         ttl -= 1
-        if ttl <= 0 or len(explored) >= 300_000:
-            return
         key = (p, tuple(sorted(zip(pos, pulled))))
-        if key in explored:
+        if ttl <= 0 or len(explored) >= 300_000 or key in explored:
             return
         explored.add(key)
-        disp = displacement(pos)
-        uncovered = all(t != p and t not in pos for t in targets)
-        score = swaps * disp if uncovered else 0
+        disp = sum(abs(b // width - t // width) + abs(b % width - t % width) for b, t in zip(pos, targets))
+        score = swaps * disp if all(t != p and t not in pos for t in targets) else 0  # a covered target scores 0
         if score > best[0]:
             best[:] = [score, p, pos, disp]
         for off in offsets:
             q = p + off
             if not floor[q] or q in pos:
                 continue  # RAGEN recurses into the unchanged state, which returns at once
-            behind = p - off
-            if behind in pos:
-                k = pos.index(behind)
-                pos2 = pos[:k] + (p,) + pos[k + 1:]
-                pulled2 = pulled[:k] + (True,) + pulled[k + 1:]
-                last2 = k
-            else:
-                pos2, pulled2, last2 = pos, pulled, last
+            k = pos.index(p - off) if p - off in pos else None  # the box behind the player, pulled along
+            pos2, pulled2, last2 = (pos, pulled, last) if k is None else \
+                (pos[:k] + (p,) + pos[k + 1:], pulled[:k] + (True,) + pulled[k + 1:], k)
             visit(q, pos2, pulled2, swaps + (last2 != last), last2, ttl)
 
     visit(player, tuple(targets), (False,) * len(targets), 0, -1, search_depth)
@@ -313,6 +286,15 @@ def generate_sokoban_room(rng: np.random.Generator, size: int, num_boxes: int, s
     raise RuntimeError(f"sokoban: no room after 1000 attempts (size={size}, num_boxes={num_boxes})")
 
 
+def _push(floor, player: int, boxes: tuple, off: int) -> tuple:
+    """(player, boxes) after a step of `off` cells that may push one box; a blocked step, or one that pushes no
+    box, returns the same `boxes` object."""
+    q = player + off
+    if not floor[q] or (q in boxes and (not floor[q + off] or q + off in boxes)):
+        return player, boxes
+    return q, (tuple(sorted(q + off if b == q else b for b in boxes)) if q in boxes else boxes)
+
+
 def sokoban_bfs(floor, width: int, targets, player: int, boxes: tuple) -> list[int] | None:
     """Fewest-moves plan (action indices Up/Down/Left/Right) to put every box on a target, or None."""
     if all(b in targets for b in boxes):
@@ -324,23 +306,12 @@ def sokoban_bfs(floor, width: int, targets, player: int, boxes: tuple) -> list[i
     while frontier:
         nxt = []
         for state in frontier:
-            p, bx = state
             for a, off in enumerate(offsets):
-                q = p + off
-                if not floor[q]:
-                    continue
-                if q in bx:
-                    b2 = q + off
-                    if not floor[b2] or b2 in bx:
-                        continue
-                    nb = tuple(sorted(b2 if b == q else b for b in bx))
-                else:
-                    nb = bx
-                child = (q, nb)
+                child = _push(floor, *state, off)  # a blocked step gives `state`, already in parent
                 if child in parent:
                     continue
                 parent[child] = (state, a)
-                if nb is not bx and all(b in targets for b in nb):
+                if child[1] is not state[1] and all(b in targets for b in child[1]):  # only a push can solve
                     plan = []
                     while parent[child] is not None:
                         child, a = parent[child]
@@ -374,15 +345,11 @@ class SokobanEnv(_TextEnv):
         self._offsets = None
         super().__init__()
 
-    def reset(self, seed: int, sample: int = 0) -> str:  # deterministic dynamics: `sample` changes nothing
-        _noise(self.name, 0, sample)
-        rng = np.random.default_rng(_check_seed(self.name, seed))
+    def _start(self, seed: int, noise):  # deterministic dynamics: the noise (`sample`) changes nothing
         self._floor, self._targets, self._player, self._boxes = generate_sokoban_room(
-            rng, self.size, self.num_boxes, self.search_depth)
+            np.random.default_rng(seed), self.size, self.num_boxes, self.search_depth)
         self._offsets = [dr * self.size + dc for dr, dc in _DIRS]
         self._plans: dict = {}  # (player, boxes) -> remaining optimal plan, filled by expert_action
-        self.done, self._ready = False, True
-        return self._render()
 
     def _on_target(self) -> int:
         return sum(b in self._targets for b in self._boxes)
@@ -391,48 +358,23 @@ class SokobanEnv(_TextEnv):
         return self._on_target() == len(self._boxes)
 
     def _move(self, player: int, boxes: tuple, a: int):
-        """(player, boxes) after action a; a blocked move returns the same state."""
-        off = self._offsets[a]
-        q = player + off
-        if not self._floor[q]:
-            return player, boxes
-        if q in boxes:
-            b2 = q + off
-            if not self._floor[b2] or b2 in boxes:
-                return player, boxes
-            boxes = tuple(sorted(b2 if b == q else b for b in boxes))
-        return q, boxes
+        return _push(self._floor, player, boxes, self._offsets[a])
 
     def _apply(self, a: int):
-        before = self._on_target()
-        moved_from = self._player
+        before, moved_from = self._on_target(), self._player
         self._player, self._boxes = self._move(self._player, self._boxes, a)
         after = self._on_target()
-        reward = -0.1 + (1.0 if after > before else -1.0 if after < before else 0.0)
-        success = after == len(self._boxes)
-        if success:
-            reward += 10.0
-        self.done = success
+        self.done = success = after == len(self._boxes)
+        reward = -0.1 + (1.0 if after > before else -1.0 if after < before else 0.0) + (10.0 if success else 0.0)
         info = {"success": success, "action_is_valid": True, "action_is_effective": self._player != moved_from}
         return self._render(), reward, success, info
 
     def _render(self) -> str:
-        wall, empty, target, box, box_t, player, player_t = self.SYMBOLS
-        rows = []
-        for r in range(self.size):
-            row = []
-            for c in range(r * self.size, (r + 1) * self.size):
-                on_t = c in self._targets
-                if not self._floor[c]:
-                    row.append(wall)
-                elif c == self._player:
-                    row.append(player_t if on_t else player)
-                elif c in self._boxes:
-                    row.append(box_t if on_t else box)
-                else:
-                    row.append(target if on_t else empty)
-            rows.append("".join(row))
-        return "\n".join(rows)
+        def symbol(c):  # SYMBOLS order: wall, empty, target, box, box on target, player, player on target
+            k = (5 if c == self._player else 3 if c in self._boxes else 1) + (c in self._targets)
+            return self.SYMBOLS[k if self._floor[c] else 0]
+        n = self.size
+        return "\n".join("".join(symbol(c) for c in range(r * n, (r + 1) * n)) for r in range(n))
 
     def _cell(self, i: int) -> str:
         return f"{i // self.size + 1} {i % self.size + 1}"  # row, column from 1 (top-left wall)
@@ -495,23 +437,19 @@ class LargeSokobanEnv(SokobanEnv):
     DEFAULTS = {"size": 8, "num_boxes": 2, "search_depth": 10}  # RAGEN LargerSokoban
 
 
-# ---------------------------------------------------------------------------------------------------
-# FrozenLake (Section 3.1): RAGEN's random maps, gymnasium's slip model, value-iteration expert
-# ---------------------------------------------------------------------------------------------------
+# ----------------------- FrozenLake (Section 3.1): RAGEN's random maps, gymnasium's slip model, value-iteration expert
 
 _LAKE_DIRS = ((0, -1), (1, 0), (0, 1), (-1, 0))  # Left, Down, Right, Up (gymnasium's order)
 
 
 def _lake_reachable(board: np.ndarray, start: tuple, goal: tuple) -> bool:
-    n = board.shape[0]
     stack, seen = [start], {start}
     while stack:
-        r, c = stack.pop()
-        if (r, c) == goal:
+        cell = stack.pop()
+        if cell == goal:
             return True
-        for dr, dc in _LAKE_DIRS:
-            q = (r + dr, c + dc)
-            if 0 <= q[0] < n and 0 <= q[1] < n and q not in seen and board[q] != "H":
+        for q in (_lake_next(board.shape[0], cell, d) for d in range(4)):  # off the board: `cell`, already seen
+            if q not in seen and board[q] != "H":
                 seen.add(q)
                 stack.append(q)
     return False
@@ -588,13 +526,9 @@ class FrozenLakeEnv(_TextEnv):
         )
         super().__init__()
 
-    def reset(self, seed: int, sample: int = 0) -> str:
-        seed = _check_seed(self.name, seed)
+    def _start(self, seed: int, noise: np.random.Generator):
         self._board, self._pos = generate_lake(np.random.default_rng(seed), self.size, self.p)
-        self._rng = _noise(self.name, seed, sample)  # slips: their own stream (deviation 2)
-        self._policy = None  # computed by the first expert_action() of this episode
-        self.done, self._ready = False, True
-        return self._render()
+        self._rng, self._policy = noise, None  # noise: the slips; the policy: at the first expert_action()
 
     def _success(self) -> bool:
         return self._board[self._pos] == "G"
@@ -610,15 +544,9 @@ class FrozenLakeEnv(_TextEnv):
         return self._render(), reward, self.done, info
 
     def _render(self) -> str:
-        tiles = {"F": "_", "H": "O", "G": "G"}
-        rows = []
-        for r in range(self.size):
-            row = []
-            for c in range(self.size):
-                t = self._board[r, c]
-                row.append(({"H": "X", "G": "√"}.get(t, "P")) if (r, c) == self._pos else tiles[t])
-            rows.append("".join(row))
-        return "\n".join(rows)
+        tiles, here = {"F": "_", "H": "O", "G": "G"}, {"F": "P", "H": "X", "G": "√"}  # here: the player's cell
+        return "\n".join("".join((here if (r, c) == self._pos else tiles)[self._board[r, c]] for c in range(self.size))
+                         for r in range(self.size))
 
     def describe(self) -> str:
         """Where things are, in words: "player at 1 2, goal at 4 4, hole at 2 2, hole at 3 1" (deviation 9)."""
@@ -628,8 +556,7 @@ class FrozenLakeEnv(_TextEnv):
         goal = tuple(int(x) for x in np.argwhere(self._board == "G")[0])
         return ", ".join([f"player at {cell(self._pos)}", f"goal at {cell(goal)}"] + holes)
 
-    def expert_note(self) -> str:
-        return self.describe()
+    expert_note = describe  # the expert's thought starts with where things are (deviation 9)
 
     def expert_action(self) -> str:
         self._require_live("expert_action()")
@@ -638,20 +565,10 @@ class FrozenLakeEnv(_TextEnv):
         return self.actions[int(self._policy[self._pos[0] * self.size + self._pos[1]])]
 
 
-# ---------------------------------------------------------------------------------------------------
-# Registry
-# ---------------------------------------------------------------------------------------------------
+# ------------------------------------------------------------------------------------------------------------ Registry
 
-ENVS = {
-    "bandit": BanditEnv,
-    "bandit-rev": BanditRevEnv,
-    "bandit-test": BanditTestEnv,
-    "sokoban": SokobanEnv,
-    "sokoban-newvocab": SokobanNewVocabEnv,
-    "sokoban-large": LargeSokobanEnv,
-    "frozenlake": FrozenLakeEnv,
-    "webshop": WebShopEnv,  # its own file: catalogue, BM25 search, data loader and reward
-}
+ENVS = {env.name: env for env in (BanditEnv, BanditRevEnv, BanditTestEnv, SokobanEnv, SokobanNewVocabEnv,
+                                  LargeSokobanEnv, FrozenLakeEnv, WebShopEnv)}  # WebShop: its own file
 
 
 def make_env(name: str, **overrides):

@@ -9,9 +9,8 @@ Std definition: the unbiased (Bessel-corrected, divide by N - 1) std, exactly wh
 (`rm_scores.std(dim=-1)` in ragen/trainer/rollout_filter.py, torch's default correction=1).
 
 Deliberate deviations from the paper / RAGEN:
-1. RAGEN's current default selection is a "top_p" cumulative-score rule; we implement the paper's rule (its
-   "top_k" strategy): keep `max(1, int(keep * G))` groups. `int()` truncates, so keep * G that lands just below
-   an integer in floating point (0.29 * 100 = 28.999...) keeps one group fewer, exactly as RAGEN does.
+1. RAGEN's current default is a "top_p" cumulative-score rule; this is the paper's (RAGEN's "top_k"): keep
+   `max(1, int(keep * G))` groups, truncated as RAGEN does (0.29 * 100 = 28.999... keeps 28).
 2. Ties are broken deterministically, lower group index first (a stable sort); RAGEN's `topk` leaves ties to
    the backend.
 3. A group counts as zero-std when its std is <= 1e-10 (RAGEN's threshold for its zero count).
@@ -30,15 +29,10 @@ def select_groups(group_rewards: torch.Tensor, keep: float = 0.25,
     the paper's reverse ablation) in-group reward std; `keep=1.0` keeps every group.
 
     group_rewards: [G, N] total reward of each of the N trajectories of each of the G prompts.
-    Returns (keep_mask [G] bool, stats) where stats holds what was measured:
-      in_group_std         mean in-group std over all G groups (before the filter)
-      in_group_std_max     max in-group std over all groups
-      chosen_in_group_std  mean in-group std over the kept groups (after the filter)
-      filter_kept          fraction of groups kept
-      zero_std_groups      number of groups whose std is 0 (<= 1e-10) before the filter
-      all_zero_std         True when every group has zero std: GRPO advantages are all 0, the caller should log
-                           and skip the update rather than train on a silent zero loss
-      kept_groups, dropped_groups  the group indices (lists of int) kept and dropped
+    Returns (keep_mask [G] bool, stats): in_group_std and in_group_std_max (mean and max over all G groups),
+    chosen_in_group_std (mean over the kept groups), filter_kept (fraction kept), zero_std_groups (how many have
+    std <= 1e-10), all_zero_std (all of them: GRPO advantages are all 0, so the caller logs and skips the update
+    rather than train on a silent zero loss), kept_groups and dropped_groups (lists of group indices).
     """
     if not isinstance(group_rewards, torch.Tensor) or group_rewards.dim() != 2:
         shape = tuple(group_rewards.shape) if isinstance(group_rewards, torch.Tensor) else type(group_rewards)

@@ -27,9 +27,8 @@ Deviations from the paper / RAGEN (deliberate):
    parsed reply and re-tokenises it); the template's end-of-turn marker follows (mask 0).
 3. Actions follow RAGEN's es_manager (`act_turn`), except that words after the last one run are not checked:
    in WebShop a word's validity depends on the page it meets.
-4. Decoding is our own loop over `model.base_model` + the LM head (RAGEN: vLLM). Each episode's KV cache lives
-   across its turns (`EpisodeCache`; a history window re-prefills, its prompt changes every turn): the math of
-   re-prefilling (`kv_cache=False`) up to float rounding, tested exactly in float64.
+4. Decoding: our own loop over `model.base_model` + the LM head (RAGEN: vLLM), each episode's KV cache kept across
+   its turns (`EpisodeCache`; a history window re-prefills): re-prefilling's math (`kv_cache=False`, tested).
 5. The random agent draws each action among those valid after the previous ones (planned on a copy of the
    env): WebShop's clickables change with the page.
 6. RAGEN's prompt layout with shorter words (no "Strictly follow this format...", no answer examples), and the
@@ -38,6 +37,7 @@ Deviations from the paper / RAGEN (deliberate):
 from __future__ import annotations
 
 import copy
+import functools
 import random
 import re
 from dataclasses import dataclass, field
@@ -56,9 +56,7 @@ STOP_TEXT = "</answer>"
 def default_reply_tokens(model_kind: str, env: str) -> int:
     """Tokens per reply: RAGEN's vLLM response_length for hub models (400; its bandit runs 500), 100 for the tiny
     policy (its replies are ~14 tokens; RAGEN's env `max_tokens: 100` only fills a line of its prompt)."""
-    if model_kind == "tiny":
-        return 100
-    return 500 if env.startswith("bandit") else 400
+    return 100 if model_kind == "tiny" else 500 if env.startswith("bandit") else 400
 
 
 @dataclass
@@ -141,17 +139,11 @@ class Trajectory:
     def effective_actions(self) -> int:
         return sum(t.effective for t in self.turns)
 
-    @property
-    def response_length(self) -> float:
-        return sum(t.response_tokens for t in self.turns) / max(1, len(self.turns))
-
 
 # ----------------------------------------------------------------------------- text of the conversation
 
 def format_prompt(think: bool) -> str:
-    if think:
-        return "<think> [your thoughts] </think> <answer> [your answer] </answer>"
-    return "<answer> [your answer] </answer>"
+    return ("<think> [your thoughts] </think> " if think else "") + "<answer> [your answer] </answer>"
 
 
 def header_text(env, cfg: RolloutConfig) -> str:
@@ -221,17 +213,11 @@ def turn_close(tokenizer) -> str:
 
 # ----------------------------------------------------------------------------- batched sampling
 
-_CLOSERS: dict[int, tuple] = {}  # id(tokenizer) -> (tokenizer, ids); holding the tokenizer pins its id
-
-
+@functools.cache  # per tokenizer object (tokenizers hash by identity; the cache holds them)
 def closing_tokens(tokenizer) -> frozenset:
-    """Ids of the tokens whose text contains ">" (only these can complete "</answer>"); cached per tokenizer."""
-    hit = _CLOSERS.get(id(tokenizer))
-    if hit is None or hit[0] is not tokenizer:
-        pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-        hit = (tokenizer, frozenset(i for i, p in enumerate(pieces) if p is not None and ">" in p))
-        _CLOSERS[id(tokenizer)] = hit
-    return hit[1]
+    """Ids of the tokens whose text contains ">" (only these can complete "</answer>")."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return frozenset(i for i, p in enumerate(pieces) if p is not None and ">" in p)
 
 
 @dataclass
@@ -286,10 +272,9 @@ class ReplyCache(DynamicCache):
     def batch_select_indices(self, indices: torch.Tensor):
         """Keep rows `indices` (repeats allowed), copying only the filled columns."""
         for layer_idx, ((k, v), n) in enumerate(zip(self.buffers, self.filled)):
-            self.buffers[layer_idx] = (k.new_empty((len(indices), *k.shape[1:])),
-                                       v.new_empty((len(indices), *v.shape[1:])))
-            self.buffers[layer_idx][0][:, :, :n] = k[indices, :, :n]
-            self.buffers[layer_idx][1][:, :, :n] = v[indices, :, :n]
+            self.buffers[layer_idx] = tuple(x.new_empty((len(indices), *x.shape[1:])) for x in (k, v))
+            for new, old in zip(self.buffers[layer_idx], (k, v)):
+                new[:, :, :n] = old[indices, :, :n]
             self._expose(layer_idx)
 
 
@@ -338,13 +323,10 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     B = len(prompts)
     past = list(past) if past is not None else [None] * B
     # distinct rows: with `dedupe`, rows with the same prompt and no past run once, then are copied (src)
-    uniq, src, seen = [], [], {}
-    for i, (p, c) in enumerate(zip(prompts, past)):
-        key = tuple(p) if (dedupe and c is None) else i
-        if key not in seen:
-            seen[key] = len(uniq)
-            uniq.append(i)
-        src.append(seen[key])
+    seen: dict = {}  # key -> its distinct row
+    src = [seen.setdefault(tuple(p) if dedupe and c is None else i, len(seen))
+           for i, (p, c) in enumerate(zip(prompts, past))]
+    uniq = [src.index(u) for u in range(len(seen))]                     # the first row of each distinct one
     U = len(uniq)
     ctx = [past[i] for i in uniq]
     lens = [0 if c is None else c.length for c in ctx]                  # tokens each row has a cache for
@@ -379,9 +361,8 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
         cache.batch_select_indices(idx)
         hidden, attn, spans = hidden[idx], attn[idx], [spans[s] for s in src]
     head = model.get_output_embeddings()
-    stop_ids = {tokenizer.eos_token_id}   # + the model's own end tokens (Qwen2.5: <|im_end|> and <|endoftext|>)
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    stop_ids |= set(gen_eos) if isinstance(gen_eos, (list, tuple)) else {gen_eos}
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)  # Qwen2.5: 2 end tokens
+    stop_ids = {tokenizer.eos_token_id} | (set(gen_eos) if isinstance(gen_eos, (list, tuple)) else {gen_eos})
     closers = closing_tokens(tokenizer)
     out_ids: list[list[int]] = [[] for _ in range(B)]
     caches: list = [None] * B
@@ -433,9 +414,7 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
 def scripted_reply(actions: list[str], thought: str, cfg: RolloutConfig) -> str:
     """The reply text a scripted agent sends, without the pre-filled opening tag."""
     answer = f"<answer> {' || '.join(actions)} </answer>"   # spaced as RAGEN's format prompt
-    if cfg.think:
-        return f" {thought} </think> {answer}"
-    return answer[len("<answer>"):]
+    return f" {thought} </think> {answer}" if cfg.think else answer[len("<answer>"):]
 
 
 def available_actions(env) -> list[str]:
@@ -465,10 +444,8 @@ def expert_agent(actions_per_turn: int = 1):
         k = max(1, min(actions_per_turn, cfg.max_actions_per_turn, actions_left))
         sim, plan = copy.deepcopy(env), []
         for _ in range(k):
-            a = sim.expert_action()
-            plan.append(a)
-            _, _, done, _ = sim.step(a)
-            if done:
+            plan.append(sim.expert_action())
+            if sim.step(plan[-1])[2]:
                 break
         note = env.expert_note() + ". " if hasattr(env, "expert_note") else ""
         return plan, note + "I pick my moves: " + ", ".join(plan) + "."
@@ -508,9 +485,7 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
     close = turn_close(tokenizer) if tokenizer is not None else None
     system = tokenizer(tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT}], tokenize=False),
                        add_special_tokens=False)["input_ids"] if tokenizer is not None else []
-    for k in range(1, cfg.max_turns + 1):
-        if not live:
-            break
+    for k in range(1, cfg.max_turns + 1):  # an empty `live` ends the loop below, after `fits`
         prompts, fits = [], []
         for i in live:
             user_msgs[i].append(("" if k == 1 else feedback_text(trajs[i].turns[-1])) +
@@ -545,9 +520,7 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
         # --- replies for all live episodes at once
         if agent is not None:
             texts = [scripted_reply(*agent(envs[i], left[i], cfg), cfg) for i in live]
-            sampled = None
-            if tokenizer is not None:
-                sampled = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+            sampled = None if tokenizer is None else [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
         else:
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):  # bf16 on CUDA (policy.py)
                 sampled, caches = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, generator,
@@ -618,10 +591,8 @@ def window_messages(header: str, user_msgs: list[str], replies: list[str], conte
     first = 0 if context_turns == 0 else max(0, n - context_turns)
     msgs = [{"role": "system", "content": SYSTEM_PROMPT}]
     for t in range(first, n):
-        content = (header if t == first else "") + user_msgs[t]
-        msgs.append({"role": "user", "content": content})
-        if t < len(replies):
-            msgs.append({"role": "assistant", "content": replies[t]})
+        msgs.append({"role": "user", "content": (header if t == first else "") + user_msgs[t]})
+        msgs += [{"role": "assistant", "content": replies[t]}] if t < len(replies) else []
     return msgs
 
 

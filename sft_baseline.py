@@ -4,14 +4,12 @@
     python eval.py --env sokoban --policy runs/sft-sokoban-s0/final
     python sft_baseline.py --env sokoban --model Qwen/Qwen2.5-0.5B-Instruct    # the paper: LoRA 64/32, 1 GPU
 
-One loop, top to bottom: training (paper: 1,000; tiny default 2,800) and 100 test trajectories of the
-environment's expert (Sokoban: the fewest-moves BFS plan; FrozenLake: the success-maximising policy), on seeds
-that never meet the 256 eval seeds, rendered by rollout.py exactly as RL rollouts are (system prompt, chat
-template, turn texts, pre-filled tag, history window `--context-turns`), so the loss mask is 1 exactly on the
-expert's reply tokens -> epochs of next-token cross-entropy on those tokens (paper: 5 epochs, batches of 128
-sequences, here accumulated from micro-batches) -> one JSONL line + one printed line per optimizer step -> test
-loss after each epoch, the lowest kept -> LoRA merged into the weights -> a plain `save_pretrained` folder that
-eval.py loads like any RL policy.
+One loop, top to bottom: training (paper: 1,000; tiny default 2,800) and 100 test trajectories of the env's expert
+(Sokoban: the fewest-moves BFS plan; FrozenLake: the success-maximising policy) on seeds that never meet the 256
+eval seeds, rendered by rollout.py exactly as RL rollouts are (chat template, pre-filled tag, `--context-turns`),
+so the loss mask is 1 exactly on the expert's reply tokens -> epochs of next-token cross-entropy on them (paper: 5
+epochs, batches of 128 sequences, accumulated from micro-batches) -> one JSONL and one printed line per optimizer
+step -> test loss after each epoch, the lowest kept -> LoRA merged -> a `save_pretrained` folder eval.py loads.
 
 LoRA (Hu et al. 2021, eq. 3) is hand-written here: every linear layer of the transformer blocks (attention
 q/k/v/o and MLP gate/up/down; not the embeddings or the LM head) gets y = W x + (alpha / r) * B A x with W
@@ -48,7 +46,7 @@ import torch.nn.functional as F
 import cli
 from envs import ENVS, train_seeds
 from eval import evaluate
-from rollout import default_reply_tokens, dump, expert_agent, rollout
+from rollout import Segment, default_reply_tokens, dump, expert_agent, prefill, rollout
 from starpo import make_optimizer, shared_prefix_len, token_logprobs
 from train import load_model_and_env, rollout_config, save_final
 
@@ -195,7 +193,6 @@ def expert_trajectories(env: str, seeds: list[int], rcfg, tok, actions_per_turn:
 def short_examples(trajs, tok, rcfg) -> list:
     """The curriculum's short examples: each state the expert met, shown alone ("State:\n<grid>": no system
     prompt, instructions or history), answered by the expert's own reply to it."""
-    from rollout import Segment, prefill
     tag, out = prefill(rcfg), []
     for t in trajs:
         for turn in t.turns:
@@ -214,12 +211,6 @@ def unknown_words(tok, trajs) -> list[str]:
     texts = {re.sub(r"</?\w+>", " ", m["content"]) for t in trajs for m in t.messages if m["role"] == "assistant"}
     words = {w for text in texts for w in re.findall(r"\w+", text)}  # words of the replies, tags removed
     return sorted(w for w in words if tok.unk_token_id in tok(" " + w, add_special_tokens=False)["input_ids"])
-
-
-def batch_order(n: int, batch: int, seed: int, epoch: int) -> list[list[int]]:
-    """One epoch's batches: a permutation of range(n) derived from (seed, epoch), cut into `batch`-sized parts."""
-    perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch)).tolist()
-    return [perm[i:i + batch] for i in range(0, n, batch)]
 
 
 def micro_batches(segs, micro: int):
@@ -247,8 +238,7 @@ def sft_step(policy, opt, segs, cfg: Config, pad_id: int, device, amp) -> dict:
     Each micro-batch's summed NLL is divided by the token count of the whole batch, so the accumulated gradient
     equals one big batch's. Metrics stay tensors until the single host sync at the end."""
     n_tok = sum(sum(s.loss_mask) for s in segs)  # host ints: known before any forward
-    nll_sum = torch.zeros((), device=device)
-    ent_sum = torch.zeros((), device=device)
+    nll_sum, ent_sum = torch.zeros((), device=device), torch.zeros((), device=device)
     for part in micro_batches(segs, cfg.micro_batch):
         logp, ent, mask = masked_logprobs(policy, part, cfg, pad_id, device, amp)  # [b, T] each
         nll = -(logp.float() * mask).sum()
@@ -286,15 +276,8 @@ def lr_factor(step: int, steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step + 1 - warmup) / (steps - warmup + 1)))
 
 
-def trainable_state(policy) -> dict[str, torch.Tensor]:
+def trainable_state(policy) -> dict[str, torch.Tensor]:  # put back with load_state_dict(..., strict=False)
     return {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
-
-
-@torch.no_grad()
-def load_trainable_state(policy, state: dict[str, torch.Tensor]) -> None:
-    for n, p in policy.named_parameters():
-        if n in state:
-            p.copy_(state[n])
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -334,8 +317,7 @@ def main(argv=None):
     train_s, test_s = data_seeds(cfg.seed, cfg.train_trajectories, cfg.test_trajectories)
     trajs = expert_trajectories(cfg.env, train_s + test_s, eval_rcfg, tok, cfg.expert_actions, env_overrides)
     train_trajs, test_trajs = trajs[:cfg.train_trajectories], trajs[cfg.train_trajectories:]
-    train_segs = [s for t in train_trajs for s in t.segments]
-    test_segs = [s for t in test_trajs for s in t.segments]
+    train_segs, test_segs = ([s for t in part for s in t.segments] for part in (train_trajs, test_trajs))
     short = short_examples(train_trajs, tok, eval_rcfg) if cfg.short_steps else []
     per_epoch = math.ceil(len(train_segs) / cfg.batch)
     cfg.steps = cfg.short_steps + cfg.epochs * per_epoch
@@ -372,8 +354,10 @@ def main(argv=None):
             segs = [short[i] for i in rows[:cfg.short_batch].tolist()]
         else:
             epoch, k = divmod(it - cfg.short_steps, per_epoch)
-            if k == 0:
-                order = batch_order(len(train_segs), cfg.batch, cfg.seed, epoch)
+            if k == 0:  # the epoch's batches: a permutation derived from (seed, epoch)
+                gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+                perm = torch.randperm(len(train_segs), generator=gen).tolist()
+                order = [perm[i:i + cfg.batch] for i in range(0, len(perm), cfg.batch)]
             segs = [train_segs[i] for i in order[k]]
         m: dict = {"step": it + 1, "epoch": epoch + 1, "train/lr": sched.get_last_lr()[0]}
         m.update(sft_step(policy, opt, segs, cfg, tok.pad_token_id, device, amp))
@@ -401,15 +385,14 @@ def main(argv=None):
     bar.close()
 
     # ---- export: the lowest-test-loss parameters, LoRA merged, one final eval
-    load_trainable_state(policy, best["state"])
+    policy.load_state_dict(best["state"], strict=False)
     merged = merge_lora(policy)
     policy.eval()
     save_final(out, policy, tok, cfg)
     t0 = time.time()
     em, etrajs = evaluate(cfg.env, eval_rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
                           env_overrides=env_overrides)
-    with open(out / "trajectories-final.txt", "w") as f:
-        f.write("".join(dump(t, tok) + "\n" for t in etrajs[:cfg.dump_trajectories]))
+    (out / "trajectories-final.txt").write_text("".join(dump(t, tok) + "\n" for t in etrajs[:cfg.dump_trajectories]))
     result = {"initial_test_loss": initial_loss, "best_epoch": best["epoch"], "best_test_loss": best["loss"],
               "lora_layers_merged": merged,
               **{f"eval/{key}": v for key, v in em.items()}, "time/eval": time.time() - t0,

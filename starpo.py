@@ -21,9 +21,8 @@ token t; all right-padded [B, T] like the masks.
 Deliberate deviations from the paper / RAGEN (verl core_algos):
 1. `pg_clipfrac_upper` counts tokens clipped at 1 + eps_high (A > 0), `pg_clipfrac_lower` those at 1 - eps_low
    (A < 0); verl's `pg_clipfrac_lower` is its dual-clip fraction (dual clip is not used by the paper, nor here).
-2. The loss is aggregated over the whole mini-batch (`--loss-agg`: token mean, or per sequence first, the
-   paper's 1/|tau_i| form), so micro-batching changes nothing; paper-era verl averaged per-micro-batch token
-   means. `seq-mean-*` divide by the rows with a sampled token (verl: all rows).
+2. The loss is aggregated over the whole mini-batch (`--loss-agg`), so micro-batching changes nothing (paper-era
+   verl averaged per-micro-batch token means); `seq-mean-*` divide by the rows with a sampled token (verl: all).
 3. Values outside the mask never reach a loss or a gradient (verl multiplies by the mask: NaN x 0 = NaN).
 4. The fused path computes logits in fp32, also under bf16 autocast (HF and verl: a bf16 head); it assumes
    logits = lm_head(last hidden state) (Qwen2/Llama/Mistral); others must use `fused=False`.
@@ -32,9 +31,8 @@ Deliberate deviations from the paper / RAGEN (verl core_algos):
 6. `train/approx_kl` is verl's `ppo_kl` (k1 to the rollout policy); `train/kl_to_init` uses `kl_kind` and is
    measured whenever reference log-probs are given, also with kl_coef = 0 (StarPO-S, Appendix C.2).
 7. `update` leaves train/eval mode to the caller (old_logp must come from the same mode; Qwen2 has no dropout).
-8. Data parallel (`update(shard=(rank, world))`, under torchrun): each rank trains rows rank, rank + world, ...
-   of every mini-batch under DDP; the same gradient and metrics up to float summation order. A rank short of
-   rows runs a zero-weight micro-batch so that every rank all-reduces equally often.
+8. Data parallel (`update(shard=(rank, world))`): each rank trains rows rank, rank + world, ... of every mini-batch
+   under DDP, the same gradient and metrics up to summation order; a rank short of rows runs a zero-weight one.
 """
 
 from __future__ import annotations
@@ -43,7 +41,6 @@ import contextlib
 import dataclasses
 import inspect
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -53,9 +50,7 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 LOG_RATIO_CLAMP = 20.0
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Aggregation
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------------- Aggregation
 
 def aggregate(loss_tok: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
               denom: torch.Tensor | float | None = None) -> torch.Tensor:
@@ -85,20 +80,14 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(m, x, 0.0).sum() / m.sum().clamp(min=1)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Losses
-# ----------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------------------- Losses
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.28, agg: str = "token-mean",
                 denom: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate with decoupled clip bounds (Clip-Higher, section 4.2), per token, aggregated.
-
-    logp, old_logp, advantages, mask: [B, T]. ratio = exp(clamp(logp - old_logp, -20, 20));
-    per-token loss max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)). `denom`: see `aggregate`.
-    Returns (loss, metrics) with metrics as 0-dim tensors (token means over the mask, no host sync):
-    pg_clipfrac, pg_clipfrac_upper, pg_clipfrac_lower, approx_kl (k1 to the old policy).
-    """
+    """PPO clipped surrogate with decoupled clip bounds (Clip-Higher, section 4.2): pg_t of the module docstring
+    on [B, T] inputs, aggregated (`denom`: see `aggregate`). Returns (loss, metrics), metrics as 0-dim tensors
+    (token means over the mask, no host sync): pg_clipfrac(_upper, _lower), approx_kl (k1 to the old policy)."""
     m = mask > 0
     # outside the mask: A = 0 and old = logp, so junk there (padding) cannot reach a gradient
     adv = torch.where(m, advantages.float(), 0.0)
@@ -122,8 +111,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
 
     k1: logp - ref_logp (unbiased, high variance, can be negative).
     k3: r - log r - 1 with r = pi_ref / pi, i.e. verl's `low_var_kl` (log r clamped to +-20, result clamped to
-        [-10, 10]); non-negative, low variance. StarPO uses a KL loss to the initial policy (coef 0.001);
-        StarPO-S only measures it (section 4.2, Appendix C.2).
+        [-10, 10]); non-negative, low variance.
     """
     if kind == "k1":
         return logp.float() - ref_logp.float()
@@ -132,33 +120,25 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip: float | None = 0.5,
+               clip: float = 0.5,
                denom: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped value loss (Appendix A): 0.5 * token-mean of max((V - R)^2, (V_clip - R)^2) where
-    V_clip = old_V + clip(V - old_V, -clip, clip). `clip=None` gives the plain squared error.
-    Returns (loss, {"vf_clipfrac": fraction of tokens where the clipped error is the larger one}).
-    `denom`: number of tokens to divide by (see `aggregate`).
+    V_clip = old_V + clip(V - old_V, -clip, clip). Returns (loss, {"vf_clipfrac": fraction of tokens where the
+    clipped error is the larger one}). `denom`: number of tokens to divide by (see `aggregate`).
     """
     m = mask > 0
     v = values.float()
     ret = torch.where(m, returns.float(), v.detach())
     old = torch.where(m, old_values.float(), v.detach())
     err = (v - ret) ** 2
-    if clip is None:
-        loss_tok, frac = err, torch.zeros((), device=v.device)
-    else:
-        # clamp v itself into [old - clip, old + clip]: exact when inside (old + (v - old) may round off by an
-        # ulp and count as "clipped")
-        v_clipped = torch.minimum(torch.maximum(v, old - clip), old + clip)
-        err_clipped = (v_clipped - ret) ** 2
-        loss_tok = torch.maximum(err, err_clipped)
-        frac = masked_mean((err_clipped > err).float(), mask)
-    return 0.5 * aggregate(loss_tok, mask, "token-mean", denom), {"vf_clipfrac": frac}
+    # clamp v itself into [old - clip, old + clip]: exact when inside (old + (v - old) may round off by an ulp and
+    # count as "clipped")
+    err_clipped = (torch.minimum(torch.maximum(v, old - clip), old + clip) - ret) ** 2
+    frac = masked_mean((err_clipped > err).float(), mask)
+    return 0.5 * aggregate(torch.maximum(err, err_clipped), mask, "token-mean", denom), {"vf_clipfrac": frac}
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Log-probs and entropies: naive reference and fused chunked path
-# ----------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------- Log-probs and entropies: naive reference and fused chunked path
 
 def naive_logprobs_entropy_from_logits(logits: torch.Tensor, targets: torch.Tensor,
                                        temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,9 +172,8 @@ def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, temp
 
 
 class _FusedLogprobEntropy(torch.autograd.Function):
-    """Chunked log-prob and entropy. Forward keeps only the per-token log-sum-exp and entropy; backward
-    recomputes each chunk's logits. Extra memory: one [chunk, V] fp32 logits buffer, one [rows, V] block
-    buffer (64 MiB) and, in backward, the fp32 [V, H] weight gradient, instead of several [N, V] tensors."""
+    """`fused_logprobs_entropy`. Extra memory: one [chunk, V] fp32 logits buffer, one [rows, V] block buffer
+    (64 MiB) and, in backward, the fp32 [V, H] weight gradient, instead of several [N, V] tensors."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
@@ -235,17 +214,13 @@ class _FusedLogprobEntropy(torch.autograd.Function):
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        grad_h = grad_w = grad_b = None
         with torch.autocast(device_type=hidden.device.type, enabled=False):
             w = weight.float()
             b = None if bias is None else bias.float()
             n, V = hidden.shape[0], w.shape[0]
-            if need_h:
-                grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device)  # [N, H]
-            if need_w:
-                grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)  # [V, H]
-            if need_b:
-                grad_b = torch.zeros(b.shape, dtype=torch.float32, device=b.device)  # [V]
+            grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None  # [N, H]
+            grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None  # [V, H]
+            grad_b = torch.zeros(b.shape, dtype=torch.float32, device=b.device) if need_b else None  # [V]
             g_lp = grad_logp.float().unsqueeze(1)  # [N, 1]
             g_ent = grad_entropy.float().unsqueeze(1)  # [N, 1]
             rows = max(1, min(chunk_size, _BLOCK_ELEMENTS // V))
@@ -273,24 +248,17 @@ class _FusedLogprobEntropy(torch.autograd.Function):
                 if need_b:
                     grad_b.add_(z.sum(dim=0))
             del logits, block
-        if grad_h is not None:
-            grad_h = grad_h.to(hidden.dtype)
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
-        if grad_b is not None:
-            grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None
+        grads = [None if g is None else g.to(x.dtype) for g, x in ((grad_h, hidden), (grad_w, weight), (grad_b, bias))]
+        return *grads, None, None, None  # in the inputs' dtypes
 
 
 def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            targets: torch.Tensor, temperature: float = 1.0,
                            chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(target) [N] and entropy [N] of softmax((hidden @ weight.T + bias) / temperature), chunk by chunk.
-
-    hidden [N, H], weight [V, H] (the LM head), bias [V] or None, targets [N] long. Logits are fp32 per chunk
-    (also under autocast); backward recomputes each chunk, so no [N, V] tensor is ever kept. Differentiable
-    in hidden, weight and bias. No host sync.
-    """
+    """log p(target) [N] and entropy [N] of softmax((hidden @ weight.T + bias) / temperature), chunk by chunk:
+    hidden [N, H], weight [V, H] (the LM head), bias [V] or None, targets [N] long. Forward keeps only each token's
+    log-sum-exp and entropy, backward recomputes each chunk's fp32 logits (also under autocast): no [N, V] tensor
+    is kept. Differentiable in hidden, weight and bias; no host sync."""
     return _FusedLogprobEntropy.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size))
 
 
@@ -312,28 +280,13 @@ def cache_keyword(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
 
 
-def prefill_shared_prefix(model: torch.nn.Module, prefix: torch.Tensor, rows: int) -> tuple[torch.Tensor, dict]:
-    """Run the prefix [1, P] that `rows` rows share through `model.base_model` once; -> its last hidden states
-    [1, P, H] and its KV cache repeated to `rows` rows, as {keyword: cache} to pass on with the rows' tokens.
-    The repeat is part of the autograd graph: under grad, the prefix receives the sum of the rows' gradients."""
-    from transformers import DynamicCache
-    kw = cache_keyword(model)
-    # an explicit DynamicCache: given none, transformers 4.x returns the legacy tuple format
-    out = model.base_model(input_ids=prefix, use_cache=True, **{kw: DynamicCache()})
-    cache = out[kw]
-    cache.batch_repeat_interleave(rows)
-    return out.last_hidden_state, {kw: cache}
-
-
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    temperature: float = 1.0, fused: bool = True, chunk_size: int = 1024, prefix_len: int = 0,
                    positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs and entropies [B, T] of a Hugging Face causal LM at the sampling temperature.
-
-    logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t]); entropy[:, t] that distribution's entropy; column 0
-    is 0. `fused=True`: `model.base_model`'s hidden states through `fused_logprobs_entropy` with the head of
-    `model.get_output_embeddings()`; `fused=False`: the reference, `model(...).logits`. `model` may also be a
-    TokenLogprobs module, or DistributedDataParallel around one.
+    """Per-token log-probs and entropies [B, T] (the module docstring's token convention) of a Hugging Face causal LM
+    at the sampling temperature. `fused=True`: `model.base_model`'s hidden states through `fused_logprobs_entropy`
+    with the head of `model.get_output_embeddings()`; `fused=False`: the reference, `model(...).logits`. `model`
+    may also be a TokenLogprobs module, or DistributedDataParallel around one.
 
     `prefix_len=P > 0` (fused only): the first P tokens are the same, unpadded, in every row
     (`shared_prefix_len`); the backbone runs them once and the B rows run the rest on that prefix's cache, at
@@ -353,11 +306,15 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     # [K] flat indices into the B*(T-1) predicted tokens that the caller reads (all of them without `positions`)
     keep = None if positions is None else positions[:, 1:].reshape(-1).nonzero().squeeze(1).to(input_ids.device)
     if fused:
-        if prefix_len > 0:  # one row runs the shared prefix; the B rows run the rest on its repeated cache
-            pre, cache = prefill_shared_prefix(model, input_ids[:1, :prefix_len], B)  # [1, P, H]
+        if prefix_len > 0:  # one row runs the shared prefix; the B rows run the rest on its cache, repeated inside
+            # the autograd graph (the prefix receives the sum of the rows' gradients)
+            from transformers import DynamicCache  # explicit: given none, transformers 4.x returns a legacy tuple
+            kw = cache_keyword(model)
+            pre = model.base_model(input_ids=input_ids[:1, :prefix_len], use_cache=True, **{kw: DynamicCache()})
+            pre[kw].batch_repeat_interleave(B)
             rest = model.base_model(input_ids=input_ids[:, prefix_len:], attention_mask=attention_mask,
-                                    use_cache=True, **cache).last_hidden_state  # [B, T-P, H], positions P..T-1
-            hidden = torch.cat([pre.expand(B, -1, -1), rest], dim=1)  # [B, T, H]
+                                    use_cache=True, **{kw: pre[kw]}).last_hidden_state  # [B, T-P, H], positions P..T-1
+            hidden = torch.cat([pre.last_hidden_state.expand(B, -1, -1), rest], dim=1)  # [B, T, H]
         else:
             hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                       use_cache=False).last_hidden_state  # [B, T, H]
@@ -395,16 +352,11 @@ class TokenLogprobs(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids, attention_mask, temperature: float = 1.0, fused: bool = True,
-                chunk_size: int = 1024, prefix_len: int = 0,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return token_logprobs(self.model, input_ids, attention_mask, temperature, fused, chunk_size, prefix_len,
-                              positions)
+    def forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:  # token_logprobs' arguments after model
+        return token_logprobs(self.model, *args, **kwargs)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Batch, config, update
-# ----------------------------------------------------------------------------------------------------------
+# ----------------------------------------------------------------------------------------------- Batch, config, update
 
 @dataclass
 class Batch:
@@ -486,32 +438,23 @@ def no_sync(*modules) -> contextlib.ExitStack:
 def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: UpdateConfig,
            critic: torch.nn.Module | None = None, critic_optimizer: torch.optim.Optimizer | None = None,
            generator: torch.Generator | None = None, autocast_dtype: torch.dtype | None = None,
-           reduce_count: Callable[[torch.Tensor], torch.Tensor] | None = None,
            shard: tuple[int, int] | None = None) -> dict[str, float]:
     """One pass of PPO/GRPO optimisation over `batch` (section 2.2); returns metrics as floats.
 
-    Loss = pg_loss - entropy_coef * entropy + kl_coef * kl_to_ref; with `critic` (PPO: critic(ids, attn) ->
-    values [B, T]) also the clipped value loss, with its own optimizer. Rows are shuffled with `generator` (CPU)
-    into mini-batches of cfg.mini_batch rows, one optimizer step each, accumulated over micro-batches of
-    cfg.micro_batch rows; losses are divided by the whole mini-batch's count (tokens, or rows for seq-mean-*),
-    so accumulation equals one big batch (`reduce_count` maps that count, e.g. an all-reduce). Gradients are
-    clipped at cfg.max_grad_norm; a non-finite loss or grad norm skips the step and is counted.
-
-    `batch.old_logp = None`: fresh rollouts of this very policy that fit one mini-batch: the step's ratio is
-    exactly 1, so its old log-probs are its own forward's, detached (the caller skips a pass whose result is
-    known; TRL's GRPO does the same with one step per batch).
-
-    Data parallel, `shard=(rank, world)`: the same `batch` and `generator` on every rank; this rank trains rows
-    rank, rank + world, ... of each mini-batch (`micro_batches`) through DDP(TokenLogprobs(model)) and
-    DDP(critic). The divisor is the count / world, because DDP averages the ranks' gradients; the ranks agree
-    on skipping a step and the metrics are all-reduced, so both equal the single-process ones.
+    The module docstring's loss; with `critic` (PPO: critic(ids, attn) -> values [B, T]) also the clipped value
+    loss, on its own optimizer. Rows are shuffled with `generator` (CPU) into mini-batches of cfg.mini_batch rows,
+    one optimizer step each, accumulated over micro-batches of cfg.micro_batch rows, each loss divided by the
+    whole mini-batch's count (deviation 2); gradients clipped at cfg.max_grad_norm (deviation 5 skips).
+    `batch.old_logp = None`: fresh rollouts of this very policy that fit one mini-batch, whose ratio is exactly 1:
+    the old log-probs are the forward's own, detached (TRL's GRPO does the same with one step per batch).
+    `shard=(rank, world)` (deviation 8): the same `batch` and `generator` on every rank, the policy as
+    DDP(TokenLogprobs(model)), the critic as DDP(critic); the divisor is the count / world (DDP averages).
     """
     if critic is not None and (critic_optimizer is None or batch.returns is None or batch.old_values is None):
         raise ValueError("a critic needs a critic_optimizer, batch.returns and batch.old_values")
     rank, world = shard if shard is not None else (0, 1)
-    if world > 1 and (generator is None or reduce_count is not None):
-        raise ValueError("with shard, every rank needs the same `generator` (same mini-batches) and no "
-                         "reduce_count (the mini-batch count is already the global one)")
+    if world > 1 and generator is None:
+        raise ValueError("with shard, every rank needs the same `generator` (same mini-batches)")
     ddp = torch.nn.parallel.DistributedDataParallel
     if world > 1 and not all(isinstance(m, ddp) for m in (policy, critic) if m is not None):
         raise ValueError("with shard, pass DistributedDataParallel(TokenLogprobs(model)) and DDP(critic): "
@@ -540,8 +483,7 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
         m = mb.loss_mask > 0
         tokens = m.sum().float()
         count = tokens if cfg.agg == "token-mean" else (m.sum(dim=1) > 0).sum().float()
-        denom = (reduce_count(count) if reduce_count is not None else count).clamp(min=1) / world
-        token_denom = (reduce_count(tokens) if reduce_count is not None else tokens).clamp(min=1) / world
+        denom, token_denom = count.clamp(min=1) / world, tokens.clamp(min=1) / world  # the global counts (DDP averages)
         step = {k: zero() for k in keys}
         finite = torch.ones((), dtype=torch.bool, device=device)
         plan = micro_batches(len(mb), cfg.micro_batch, rank, world)
@@ -616,7 +558,5 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     n_tokens = host["tokens"] if host["tokens"] > 0 else math.nan
     absent = (set() if has_ref else {"kl_to_init", "kl_loss"}) | \
         (set() if critic is not None else {"value_loss", "vf_clipfrac", "critic_grad_norm"})
-    out = {f"train/{k}": host[k] / (n_steps if k in PER_STEP else n_tokens) for k in keys[1:] if k not in absent}
-    out["train/skipped_nonfinite"] = float(skipped)
-    out["train/optimizer_steps"] = float(steps_taken)
-    return out
+    return {**{f"train/{k}": host[k] / (n_steps if k in PER_STEP else n_tokens) for k in keys[1:] if k not in absent},
+            "train/skipped_nonfinite": float(skipped), "train/optimizer_steps": float(steps_taken)}

@@ -23,30 +23,27 @@ Deviations from the paper / RAGEN (deliberate):
    `--resume` reproduces an uninterrupted run without saving generator states.
 2. `--model tiny` has its own defaults (steps, learning rates, eval prompts), sized for a 2-core CPU; every
    other model gets the paper's.
-3. Only passes whose results are needed run: old log-probs, values and reference log-probs for the kept groups
-   only; no old-log-prob pass when the kept rows are one optimizer step (its ratio is exactly 1); without a KL
-   term the reference runs only on eval iterations, where `train/kl_to_init` is logged (verl: every step).
+3. Only needed passes run, on the kept groups only: no old log-probs when the kept rows are one optimizer step
+   (ratio exactly 1); without a KL term the reference only on eval iterations, for `train/kl_to_init` (verl: all).
 4. The default trains only the sampled tokens (`--response-mask`, RAGEN's later default); the paper's runs
    trained every token after the system prompt (`--no-response-mask`).
 5. A batch whose groups all have zero reward std is logged (`train/skipped_zero_std`) and, for GRPO, skipped:
    its advantages would all be 0. PPO's are R - V: it updates.
 6. The KL reference is the initial policy, kept in memory (as verl's ref model).
-7. Under torchrun (distributed.py; RAGEN: verl + Ray) each rank rolls out P / W whole groups; trajectories,
-   log-probs and values are gathered, so the filter, advantages and metrics are the single-process code on the
-   same data; rank r samples with iteration i's seed + r * 2**40 (reproducible, but W changes the samples).
+7. Under torchrun (distributed.py; RAGEN: verl + Ray) each rank rolls out P / W whole groups, then all is gathered:
+   the filter, advantages and metrics run on the same data; rank r samples with seed + r * 2**40 (W changes them).
 8. Only rank 0 logs, evaluates, plots and writes checkpoints; `--resume` on several nodes needs a shared folder.
 """
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 import os
 import shutil
 import statistics
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +54,7 @@ import distributed as dist
 from advantages import (broadcast_to_tokens, gae, grpo_advantages, kl_penalized_rewards,
                         place_reward_on_last_token, whiten)
 from envs import ENVS, train_seeds
-from eval import evaluate, saved_rollout_settings, summarize
+from eval import ROLLOUT_KEYS, evaluate, saved_rollout_settings, summarize
 from filter import select_groups
 from rollout import RolloutConfig, Segment, default_reply_tokens, dump, rollout, trained_mask
 from starpo import (Batch, TokenLogprobs, UpdateConfig, make_optimizer, masked_mean, shared_prefix_len,
@@ -185,10 +182,7 @@ def load_model_and_env(cfg, device):
 
 
 def rollout_config(cfg: Config, temperature: float) -> RolloutConfig:
-    return RolloutConfig(max_turns=cfg.max_turns, max_actions_per_turn=cfg.max_actions_per_turn,
-                         max_actions=cfg.max_actions, format_penalty=cfg.format_penalty, think=cfg.think,
-                         context_turns=cfg.context_turns, max_new_tokens=cfg.max_new_tokens,
-                         temperature=temperature)
+    return RolloutConfig(temperature=temperature, **{k: getattr(cfg, k) for k in ROLLOUT_KEYS})
 
 
 def group_samples(group_noise: str, groups: int, rollouts: int) -> list[int]:
@@ -204,44 +198,27 @@ def evaluates(cfg: Config, it: int) -> bool:
 
 # ------------------------------------------------------------------------------------------- the batch
 
-def collate(trajs, advantages_per_traj, pad_id: int, response_mask: bool = True):
-    """One training row per segment of the kept trajectories; -> input_ids, attention_mask, loss_mask [B, T]
-    (rollout.trained_mask), each row's trajectory reward [B] and advantage [B] (GRPO; zeros for PPO)."""
-    from policy import pad_segments
-    segs, scores, advs = [], [], []
-    for t, a in zip(trajs, advantages_per_traj):
-        for s in t.segments:
-            segs.append(Segment(s.input_ids, trained_mask(s, response_mask)))
-            scores.append(t.reward)
-            advs.append(a)
-    ids, attn, mask = pad_segments(segs, pad_id)
-    return ids, attn, mask, torch.tensor(scores), torch.tensor(advs, dtype=torch.float)
-
-
-@torch.no_grad()
-def per_token(fn, ids, attn, micro: int):
-    """Apply fn(ids, attn) -> [b, T] over micro-batches (no grad); -> [B, T] (B may be 0 on a data-parallel rank)."""
-    parts = [fn(ids[i:i + micro], attn[i:i + micro]) for i in range(0, len(ids), micro)]
-    return torch.cat(parts) if parts else torch.zeros(ids.shape, device=ids.device)
-
-
 @torch.no_grad()
 def prepare_batch(kept, cfg: Config, policy, ref, critic, pad_id: int, device, amp, on_eval: bool):
     """The update's inputs from the kept trajectories (section 2.2, Appendix A): rows, old and reference
     log-probs, values, advantages. -> (Batch, metrics). Under torchrun each rank runs its share of the rows and
     every rank ends with the whole batch (GAE and whitening see all of it)."""
     scores = torch.tensor([t.reward for t in kept])
-    if cfg.algo == "grpo":
-        adv_traj = grpo_advantages(scores, [t.group_id for t in kept], norm_by_std=cfg.grpo_std_norm)
-    else:
-        adv_traj = torch.zeros(len(kept))
-    ids, attn, mask, row_scores, row_adv = collate(kept, adv_traj.tolist(), pad_id, cfg.response_mask)
-    pre = shared_prefix_len([s.input_ids for t in kept for s in t.segments])  # the prompt header, run once
-    ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
-    r = dist.my_range(len(ids))
+    adv_traj = grpo_advantages(scores, [t.group_id for t in kept], norm_by_std=cfg.grpo_std_norm) \
+        if cfg.algo == "grpo" else torch.zeros(len(kept))
+    from policy import pad_segments
+    rows = [(s, t.reward, a) for t, a in zip(kept, adv_traj.tolist()) for s in t.segments]  # one row per segment
+    ids, attn, mask = (x.to(device) for x in pad_segments(
+        [Segment(s.input_ids, trained_mask(s, cfg.response_mask)) for s, _, _ in rows], pad_id))  # [B, T] each
+    row_scores = torch.tensor([r for _, r, _ in rows])                   # [B] each row's trajectory reward
+    row_adv = torch.tensor([a for _, _, a in rows], dtype=torch.float)  # [B] its GRPO advantage (PPO: zeros)
+    pre = shared_prefix_len([s.input_ids for s, _, _ in rows])  # the prompt header, run once
+    mine = dist.my_range(len(ids))
 
-    def run(fn):  # fn(ids, attn) -> [b, T] on this rank's rows, micro-batch by micro-batch -> [B, T] everywhere
-        return dist.gather_rows(per_token(fn, ids[r.start:r.stop], attn[r.start:r.stop], cfg.micro_batch), len(ids))
+    def run(fn):  # fn(ids, attn) -> [b, T] on this rank's rows (B may be 0), micro-batch by micro-batch -> [B, T]
+        i, a, n = ids[mine.start:mine.stop], attn[mine.start:mine.stop], cfg.micro_batch
+        parts = [fn(i[j:j + n], a[j:j + n]) for j in range(0, len(i), n)]
+        return dist.gather_rows(torch.cat(parts) if parts else torch.zeros(i.shape, device=device), len(ids))
 
     def logp(model):
         return lambda i, a: token_logprobs(model, i, a, cfg.temperature, cfg.fused, prefix_len=pre)[0].float()
@@ -302,11 +279,9 @@ def echo_check(mon: EchoMonitor, m: dict, baseline_iters: int = 5, std_ratio: fl
     e = m.get("train/entropy")
     if e is not None and math.isfinite(e):
         past = mon.ent_history[-window:]
-        if len(past) >= 5:
-            med = statistics.median(past)
-            if abs(e - med) > ent_swing * med:
-                warnings["entropy_swing"] = (f"entropy {e:.3g} swung by more than {ent_swing:.0%} from its running "
-                                             f"median {med:.3g}")
+        if len(past) >= 5 and abs(e - (med := statistics.median(past))) > ent_swing * med:
+            warnings["entropy_swing"] = f"entropy {e:.3g} swung by more than {ent_swing:.0%} from its running " \
+                                        f"median {med:.3g}"
         mon.ent_history.append(e)
     return warnings
 
@@ -323,7 +298,7 @@ def resume_config(cfg: Config, explicit: set[str]) -> Config:
     if not (run / "config.json").is_file():
         raise ValueError(f"--resume {cfg.resume}: no config.json there (is it a run folder?)")
     saved = cli.read_json(run / "config.json", f"--resume {cfg.resume}")
-    unknown = sorted(set(saved) - {f.name for f in dataclasses.fields(Config)})
+    unknown = sorted(set(saved) - {f.name for f in fields(Config)})
     if unknown:
         raise ValueError(f"--resume {cfg.resume}: {run / 'config.json'} has keys this train.py does not know: "
                          f"{', '.join(unknown)}")
@@ -333,10 +308,9 @@ def resume_config(cfg: Config, explicit: set[str]) -> Config:
                          f"{', '.join('--' + k.replace('_', '-') for k in ignored)} (allowed with --resume: "
                          f"--steps, --device, --threads)")
     try:
-        saved = Config(**{**saved, **{k: getattr(cfg, k) for k in explicit}, "out": cfg.resume})
+        return Config(**{**saved, **{k: getattr(cfg, k) for k in explicit}, "out": cfg.resume})
     except TypeError as e:
         raise ValueError(f"--resume {cfg.resume}: {run / 'config.json'} does not fit this train.py ({e})") from None
-    return saved
 
 
 def read_checkpoint(out: Path, device):
@@ -424,11 +398,6 @@ def read_runs(run_dirs: list[str]) -> dict[str, list[dict]]:
     return runs
 
 
-def running_mean(ys: list[float], window: int = 5) -> list[float]:
-    """Mean of each value with the up to window - 1 before it (the trend under per-iteration noise)."""
-    return [statistics.fmean(ys[max(0, i + 1 - window):i + 1]) for i in range(len(ys))]
-
-
 def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
     """The paper's four Echo Trap signals (section 4.1, Figure 4) and eval success of one or more runs, one PNG:
     the raw per-iteration trace faint, its running mean bold, eval points with their 95% intervals, and a marker
@@ -460,7 +429,8 @@ def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
                 ax.errorbar(xs, ys, yerr=bars, color=color, marker="o", ms=4, capsize=4, lw=1.5, label=label)
                 continue
             ax.plot(xs, ys, color=color, lw=0.8, alpha=0.3)
-            ax.plot(xs, running_mean(ys), color=color, lw=2, label=label)
+            trend = [statistics.fmean(ys[max(0, i - 4):i + 1]) for i in range(len(ys))]  # the running mean of 5
+            ax.plot(xs, trend, color=color, lw=2, label=label)
             fired = [(r["step"], r[key]) for r in have if signal and r.get(f"echo/{signal}")]
             if fired:
                 ax.scatter(*zip(*fired), color=color, marker="x", s=40, zorder=3)
@@ -509,8 +479,8 @@ def main(argv=None):
         critic = load_critic(path, device) if cfg.algo == "ppo" else None
         ref = copy.deepcopy(policy).eval().requires_grad_(False)  # the initial policy: KL anchor and monitor
         found = read_checkpoint(out, device) if cfg.resume else None
+        start, state, ck = found or (0, None, None)
         if found:
-            start, state, ck = found
             kept_metrics = read_metrics(out / "metrics.jsonl", start) if dist.is_main() else []
             policy.load_state_dict(load_policy(str(ck / "policy"), device, progress=False,
                                                flag_name=f"--resume {out}")[0].state_dict())
@@ -521,12 +491,11 @@ def main(argv=None):
     amp = autocast_dtype(device)
     opt = make_optimizer(policy, cfg.lr)
     critic_opt = make_optimizer(critic, cfg.critic_lr) if critic is not None else None
-    monitor, start = EchoMonitor(), 0
+    monitor = EchoMonitor(**state["monitor"]) if found else EchoMonitor()
     if found:
         opt.load_state_dict(state["opt"])
         if critic is not None:
             critic_opt.load_state_dict(state["critic_opt"])
-        monitor, start = EchoMonitor(**state["monitor"]), state["step"]
     ucfg = UpdateConfig(mini_batch=cfg.mini_batch, micro_batch=cfg.micro_batch, clip_low=cfg.clip_low,
                         clip_high=cfg.clip_high, entropy_coef=cfg.entropy_coef, agg=cfg.loss_agg,
                         kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef,  # in the rewards instead: measured only
@@ -686,8 +655,7 @@ def line(m: dict) -> str:
             ("kept_std", "rollout/chosen_in_group_std"), ("fmt", "rollout/format"), ("ent", "train/entropy"),
             ("gnorm", "train/grad_norm"), ("kl0", "train/kl_to_init"), ("clip", "train/pg_clipfrac"),
             ("eval", "eval/success"), ("s", "time/iteration")]
-    parts = [f"it {m['step']}"] + [f"{n} {m[k]:.3g}" for n, k in keys if m.get(k) is not None]
-    return " | ".join(parts)
+    return " | ".join([f"it {m['step']}"] + [f"{n} {m[k]:.3g}" for n, k in keys if m.get(k) is not None])
 
 
 if __name__ == "__main__":

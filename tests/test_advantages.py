@@ -103,17 +103,16 @@ def test_gae_ignores_nonfinite_values_on_skipped_tokens_and_rejects_misplaced_re
         gae(torch.tensor([[0, 0, 0, 1.0, 0, 0, 0]]), torch.zeros(1, 7), mask)
 
 
-@pytest.mark.parametrize("shift_mean", [True, False])
-def test_whiten_matches_loop(shift_mean):
+def test_whiten_matches_loop():
     gen = torch.Generator().manual_seed(3)
     mask = multi_turn_mask(4, 16, gen)
     x = torch.randn(4, 16, generator=gen) * 3 + 2
-    out = whiten(x, mask, shift_mean=shift_mean)
+    out = whiten(x, mask)
     vals = [float(x[b, t]) for b in range(4) for t in range(16) if mask[b, t] == 1]
     mean, var = statistics.fmean(vals), statistics.variance(vals)  # unbiased, as verl's masked_whiten
     for b in range(4):
         for t in range(16):
-            want = (float(x[b, t]) - mean) / math.sqrt(var + 1e-8) + (0 if shift_mean else mean)
+            want = (float(x[b, t]) - mean) / math.sqrt(var + 1e-8)
             assert out[b, t].item() == pytest.approx(want if mask[b, t] == 1 else 0.0, abs=1e-5)
     with pytest.raises(ValueError, match="at least 2"):
         whiten(x, torch.zeros(4, 16))

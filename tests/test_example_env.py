@@ -28,11 +28,9 @@ class CorridorEnv(_TextEnv):
     instruction = ("You are in a corridor. Walk to the goal.\nSymbols: P you, G goal, _ floor\n"
                    "Actions: Left, Right")
 
-    def reset(self, seed: int, sample: int = 0) -> str:
+    def _start(self, seed: int, noise):                         # reset(seed) checked `seed`; no noise here
         rng = np.random.default_rng(seed)                       # the start: the same for every sample
         self._pos, self._goal = (int(x) for x in rng.choice(7, size=2, replace=False))
-        self.done, self._ready = False, True
-        return self._render()
 
     def _render(self) -> str:
         return "".join("P" if i == self._pos else "G" if i == self._goal else "_" for i in range(7))
