@@ -26,7 +26,8 @@ Deliberate deviations from the paper or RAGEN's code:
 8. Experts (RAGEN: none for FrozenLake, a depth-100 BFS for Sokoban): Sokoban, the first step of an uncapped
    fewest-moves BFS plan; FrozenLake, the most likely to ever reach the goal, ties by the 0.9-discounted value.
 9. `describe()` says where things are ("player at 3 5, box at 4 4, target at 5 3"; rows, columns from 1): the SFT
-   expert's thought starts with it (`expert_note()`), Sokoban's adds its plan's next push (docs/sft.md).
+   expert's thought starts with it (`expert_note()`), Sokoban's adds its plan's next push and where
+   it stands to push (docs/sft.md).
 """
 from __future__ import annotations
 
@@ -235,9 +236,10 @@ def _reverse_play(floor: list[bool], width: int, targets: list[int], player: int
             q = p + off
             if not floor[q] or q in pos:
                 continue  # RAGEN recurses into the unchanged state, which returns at once
-            k = pos.index(p - off) if p - off in pos else None  # the box behind the player, pulled along
-            pos2, pulled2, last2 = (pos, pulled, last) if k is None else \
-                (pos[:k] + (p,) + pos[k + 1:], pulled[:k] + (True,) + pulled[k + 1:], k)
+            pos2, pulled2, last2 = pos, pulled, last
+            if p - off in pos:  # the box behind the player is pulled along
+                k = pos.index(p - off)
+                pos2, pulled2, last2 = pos[:k] + (p,) + pos[k + 1:], pulled[:k] + (True,) + pulled[k + 1:], k
             visit(q, pos2, pulled2, swaps + (last2 != last), last2, ttl)
 
     visit(player, tuple(targets), (False,) * len(targets), 0, -1, search_depth)
@@ -556,7 +558,8 @@ class FrozenLakeEnv(_TextEnv):
         goal = tuple(int(x) for x in np.argwhere(self._board == "G")[0])
         return ", ".join([f"player at {cell(self._pos)}", f"goal at {cell(goal)}"] + holes)
 
-    expert_note = describe  # the expert's thought starts with where things are (deviation 9)
+    def expert_note(self) -> str:  # the expert's thought starts with where things are (deviation 9)
+        return self.describe()
 
     def expert_action(self) -> str:
         self._require_live("expert_action()")

@@ -323,10 +323,13 @@ def generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, te
     B = len(prompts)
     past = list(past) if past is not None else [None] * B
     # distinct rows: with `dedupe`, rows with the same prompt and no past run once, then are copied (src)
-    seen: dict = {}  # key -> its distinct row
-    src = [seen.setdefault(tuple(p) if dedupe and c is None else i, len(seen))
-           for i, (p, c) in enumerate(zip(prompts, past))]
-    uniq = [src.index(u) for u in range(len(seen))]                     # the first row of each distinct one
+    uniq, src, seen = [], [], {}  # seen: key -> its distinct row, numbered by first appearance
+    for i, (p, c) in enumerate(zip(prompts, past)):
+        key = tuple(p) if (dedupe and c is None) else i
+        if key not in seen:
+            seen[key] = len(uniq)
+            uniq.append(i)
+        src.append(seen[key])
     U = len(uniq)
     ctx = [past[i] for i in uniq]
     lens = [0 if c is None else c.length for c in ctx]                  # tokens each row has a cache for
@@ -422,18 +425,25 @@ def available_actions(env) -> list[str]:
     return fn() if callable(fn) else list(env.actions)
 
 
+def plan_on_copy(env, k: int, choose) -> list[str]:
+    """Up to k actions, each chosen by choose(sim) where the previous ones lead, on a copy of the env; the plan
+    stops where the copy's episode ends (the real env is stepped later, by the rollout)."""
+    sim, plan = copy.deepcopy(env), []
+    for _ in range(k):
+        plan.append(choose(sim))
+        _, _, done, _ = sim.step(plan[-1])
+        if done:
+            break
+    return plan
+
+
 def random_agent(rng: random.Random):
     """Uniformly random valid actions, 1..min(max per turn, actions left) of them; a truthful fixed thought.
     Each is drawn among those valid where the previous ones lead (planned on a copy of the env: WebShop's valid
     clicks change with the page); the plan stops where the copy's episode ends."""
     def act(env, actions_left: int, cfg: RolloutConfig) -> tuple[list[str], str]:
         k = rng.randint(1, max(1, min(cfg.max_actions_per_turn, actions_left)))
-        sim, plan = copy.deepcopy(env), []
-        for _ in range(k):
-            plan.append(rng.choice(available_actions(sim)))
-            if sim.step(plan[-1])[2]:
-                break
-        return plan, "I pick my moves at random."
+        return plan_on_copy(env, k, lambda sim: rng.choice(available_actions(sim))), "I pick my moves at random."
     return act
 
 
@@ -442,11 +452,7 @@ def expert_agent(actions_per_turn: int = 1):
     the env's `expert_note()` where it has one (envs.py deviation 9), then the plan."""
     def act(env, actions_left: int, cfg: RolloutConfig) -> tuple[list[str], str]:
         k = max(1, min(actions_per_turn, cfg.max_actions_per_turn, actions_left))
-        sim, plan = copy.deepcopy(env), []
-        for _ in range(k):
-            plan.append(sim.expert_action())
-            if sim.step(plan[-1])[2]:
-                break
+        plan = plan_on_copy(env, k, lambda sim: sim.expert_action())
         note = env.expert_note() + ". " if hasattr(env, "expert_note") else ""
         return plan, note + "I pick my moves: " + ", ".join(plan) + "."
     return act
@@ -592,7 +598,8 @@ def window_messages(header: str, user_msgs: list[str], replies: list[str], conte
     msgs = [{"role": "system", "content": SYSTEM_PROMPT}]
     for t in range(first, n):
         msgs.append({"role": "user", "content": (header if t == first else "") + user_msgs[t]})
-        msgs += [{"role": "assistant", "content": replies[t]}] if t < len(replies) else []
+        if t < len(replies):
+            msgs.append({"role": "assistant", "content": replies[t]})
     return msgs
 
 

@@ -444,7 +444,8 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     The module docstring's loss; with `critic` (PPO: critic(ids, attn) -> values [B, T]) also the clipped value
     loss, on its own optimizer. Rows are shuffled with `generator` (CPU) into mini-batches of cfg.mini_batch rows,
     one optimizer step each, accumulated over micro-batches of cfg.micro_batch rows, each loss divided by the
-    whole mini-batch's count (deviation 2); gradients clipped at cfg.max_grad_norm (deviation 5 skips).
+    whole mini-batch's count (deviation 2); gradients clipped at cfg.max_grad_norm;
+    a non-finite loss or grad norm skips the step, counted in `train/skipped_nonfinite`.
     `batch.old_logp = None`: fresh rollouts of this very policy that fit one mini-batch, whose ratio is exactly 1:
     the old log-probs are the forward's own, detached (TRL's GRPO does the same with one step per batch).
     `shard=(rank, world)` (deviation 8): the same `batch` and `generator` on every rank, the policy as

@@ -204,8 +204,10 @@ def prepare_batch(kept, cfg: Config, policy, ref, critic, pad_id: int, device, a
     log-probs, values, advantages. -> (Batch, metrics). Under torchrun each rank runs its share of the rows and
     every rank ends with the whole batch (GAE and whitening see all of it)."""
     scores = torch.tensor([t.reward for t in kept])
-    adv_traj = grpo_advantages(scores, [t.group_id for t in kept], norm_by_std=cfg.grpo_std_norm) \
-        if cfg.algo == "grpo" else torch.zeros(len(kept))
+    if cfg.algo == "grpo":
+        adv_traj = grpo_advantages(scores, [t.group_id for t in kept], norm_by_std=cfg.grpo_std_norm)
+    else:
+        adv_traj = torch.zeros(len(kept))  # PPO's advantages come from GAE below
     from policy import pad_segments
     rows = [(s, t.reward, a) for t, a in zip(kept, adv_traj.tolist()) for s in t.segments]  # one row per segment
     ids, attn, mask = (x.to(device) for x in pad_segments(
@@ -216,9 +218,9 @@ def prepare_batch(kept, cfg: Config, policy, ref, critic, pad_id: int, device, a
     mine = dist.my_range(len(ids))
 
     def run(fn):  # fn(ids, attn) -> [b, T] on this rank's rows (B may be 0), micro-batch by micro-batch -> [B, T]
-        i, a, n = ids[mine.start:mine.stop], attn[mine.start:mine.stop], cfg.micro_batch
-        parts = [fn(i[j:j + n], a[j:j + n]) for j in range(0, len(i), n)]
-        return dist.gather_rows(torch.cat(parts) if parts else torch.zeros(i.shape, device=device), len(ids))
+        my_ids, my_attn, micro = ids[mine.start:mine.stop], attn[mine.start:mine.stop], cfg.micro_batch
+        parts = [fn(my_ids[j:j + micro], my_attn[j:j + micro]) for j in range(0, len(my_ids), micro)]
+        return dist.gather_rows(torch.cat(parts) if parts else torch.zeros(my_ids.shape, device=device), len(ids))
 
     def logp(model):
         return lambda i, a: token_logprobs(model, i, a, cfg.temperature, cfg.fused, prefix_len=pre)[0].float()
@@ -279,9 +281,10 @@ def echo_check(mon: EchoMonitor, m: dict, baseline_iters: int = 5, std_ratio: fl
     e = m.get("train/entropy")
     if e is not None and math.isfinite(e):
         past = mon.ent_history[-window:]
-        if len(past) >= 5 and abs(e - (med := statistics.median(past))) > ent_swing * med:
-            warnings["entropy_swing"] = f"entropy {e:.3g} swung by more than {ent_swing:.0%} from its running " \
-                                        f"median {med:.3g}"
+        med = statistics.median(past) if len(past) >= 5 else None
+        if med is not None and abs(e - med) > ent_swing * med:
+            warnings["entropy_swing"] = (f"entropy {e:.3g} swung by more than {ent_swing:.0%} from its running "
+                                         f"median {med:.3g}")
         mon.ent_history.append(e)
     return warnings
 
