@@ -48,19 +48,6 @@ def train_seeds(rng_or_seed, n: int) -> list[int]:
     return list(seeds)
 
 
-def _check_seed(env_name: str, seed) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ValueError(f"{env_name}: reset(seed) needs an int >= 0, got {seed!r}")
-    return int(seed)
-
-
-def _noise(env_name: str, seed: int, sample) -> np.random.Generator:
-    """The dynamics' random stream of rollout `sample` of prompt `seed`."""
-    if isinstance(sample, bool) or not isinstance(sample, (int, np.integer)) or sample < 0:
-        raise ValueError(f"{env_name}: reset(seed, sample) needs sample as an int >= 0, got {sample!r}")
-    return np.random.default_rng([seed, int(sample)])
-
-
 def _take_options(env_name: str, defaults: dict, overrides: dict) -> dict:
     unknown = sorted(set(overrides) - set(defaults))
     if unknown:
@@ -68,9 +55,10 @@ def _take_options(env_name: str, defaults: dict, overrides: dict) -> dict:
     return {**defaults, **overrides}
 
 
-def _int_option(env_name: str, key: str, value, lo: int, hi: int) -> int:
+def _int_option(env_name: str, key: str, value, lo: int, hi: float = float("inf")) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
-        raise ValueError(f"{env_name}: {key} must be an int in [{lo}, {hi}], got {value!r}")
+        allowed = f"in [{lo}, {hi}]" if hi < float("inf") else f">= {lo}"
+        raise ValueError(f"{env_name}: {key} must be an int {allowed}, got {value!r}")
     return int(value)
 
 
@@ -96,8 +84,8 @@ class _TextEnv:
             raise RuntimeError(f"{self.name}: the episode is over; call reset(seed) before {what}")
 
     def reset(self, seed: int, sample: int = 0) -> str:
-        seed = _check_seed(self.name, seed)
-        self._start(seed, _noise(self.name, seed, sample))  # the start from `seed`, the dynamics' noise (deviation 2)
+        seed, sample = _int_option(self.name, "seed", seed, 0), _int_option(self.name, "sample", sample, 0)
+        self._start(seed, np.random.default_rng([seed, sample]))  # start: seed; noise: (seed, sample), deviation 2
         self.done, self._ready = False, True
         return self._render()
 
@@ -344,13 +332,12 @@ class SokobanEnv(_TextEnv):
             f"Symbols: {legend}\n"
             f"Actions: {', '.join(self.actions)}"
         )
-        self._offsets = None
+        self._offsets = [dr * self.size + dc for dr, dc in _DIRS]  # a move as a step in the flat board index
         super().__init__()
 
     def _start(self, seed: int, noise):  # deterministic dynamics: the noise (`sample`) changes nothing
         self._floor, self._targets, self._player, self._boxes = generate_sokoban_room(
             np.random.default_rng(seed), self.size, self.num_boxes, self.search_depth)
-        self._offsets = [dr * self.size + dc for dr, dc in _DIRS]
         self._plans: dict = {}  # (player, boxes) -> remaining optimal plan, filled by expert_action
 
     def _on_target(self) -> int:

@@ -550,10 +550,8 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
             trajs[i].success = trajs[i].success or turn.success
             if tokenizer is not None:
                 running[i].append(sampled[j], 1)
-                tail = close
-                if sampled[j] and sampled[j][-1] == tokenizer.eos_token_id and tokenizer.eos_token \
-                        and tail.startswith(tokenizer.eos_token):
-                    tail = tail[len(tokenizer.eos_token):]      # the policy already closed its turn
+                ended = sampled[j][-1:] == [tokenizer.eos_token_id] and tokenizer.eos_token  # it closed its turn
+                tail = close.removeprefix(tokenizer.eos_token) if ended else close
                 running[i].append(tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else [], 0)
                 if cfg.context_turns > 0:
                     trajs[i].segments.append(running[i])

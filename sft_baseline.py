@@ -106,12 +106,11 @@ class Config:
     steps: int = field(default=0, metadata={"derived": True})
 
 
-def derive(cfg: Config, explicit: set[str]) -> Config:
+def derive(cfg: Config) -> Config:
     """Per-model defaults, sizes that follow from the flags, and one-line errors for bad values."""
     from policy import model_kind
-    kind = model_kind(cfg.model)
-    cli.fill_defaults(cfg, MODEL_DEFAULTS[kind])  # tiny-sized folders get the tiny ones too
-    cli.fill_defaults(cfg, dict(max_new_tokens=default_reply_tokens(kind, cfg.env)))
+    kind = model_kind(cfg.model)  # tiny-sized folders get the tiny defaults too
+    cli.fill_defaults(cfg, {**MODEL_DEFAULTS[kind], "max_new_tokens": default_reply_tokens(kind, cfg.env)})
     if cfg.expert_actions is None:  # the fewest moves per turn that let the expert use the whole budget
         cfg.expert_actions = min(cfg.max_actions_per_turn, -(-cfg.max_actions // max(1, cfg.max_turns)))
     cli.check(cli.bounds(cfg) + [
@@ -285,16 +284,12 @@ def trainable_state(policy) -> dict[str, torch.Tensor]:  # put back with load_st
 def main(argv=None):
     # ---- config
     try:
-        cfg, explicit = cli.parse(Config, argv, description=__doc__.split("\n")[0])
-        cfg = derive(cfg, explicit)
+        cfg = derive(cli.parse(Config, argv, description=__doc__.split("\n")[0])[0])
         out = cli.run_folder(cfg.out, "--out", cfg.overwrite)
-    except ValueError as e:
-        cli.fail(str(e))
-    from policy import autocast_dtype, pick_device, set_cpu_threads
+        from policy import autocast_dtype, pick_device, set_cpu_threads
 
-    # ---- model (+ LoRA), optimizer
-    t_start = time.time()
-    try:
+        # ---- model (+ LoRA), optimizer
+        t_start = time.time()
         device = pick_device(cfg.device)
         set_cpu_threads(device, cfg.threads)
         policy, tok, path, env_overrides = load_model_and_env(cfg, device)
@@ -374,8 +369,8 @@ def main(argv=None):
             m["time/test"] = time.time() - t1
             if cfg.eval_every and (epoch + 1) % cfg.eval_every == 0:
                 t2 = time.time()
-                em, etrajs = evaluate(cfg.env, eval_rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
-                                      env_overrides=env_overrides)
+                em, _ = evaluate(cfg.env, eval_rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
+                                 env_overrides=env_overrides)
                 m.update({f"eval/{key}": v for key, v in em.items() if key != "episodes"})
                 m["time/eval"] = time.time() - t2
         m["time/iteration"] = time.time() - t0

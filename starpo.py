@@ -462,8 +462,7 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
                          "without DDP the ranks' gradients are never averaged")
     device = next(policy.parameters()).device
     batch = batch.to(device)
-    autocast = (lambda: torch.autocast(device_type=device.type, dtype=autocast_dtype)) \
-        if autocast_dtype is not None else contextlib.nullcontext
+    autocast = lambda: torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)  # noqa
     has_ref = batch.ref_logp is not None
     if batch.old_logp is None and len(batch) > cfg.mini_batch:
         raise ValueError("without old_logp the batch must fit one mini-batch (one optimizer step): after the first "

@@ -57,7 +57,7 @@ from envs import ENVS, train_seeds
 from eval import ROLLOUT_KEYS, evaluate, saved_rollout_settings, summarize
 from filter import select_groups
 from rollout import RolloutConfig, Segment, default_reply_tokens, dump, rollout, trained_mask
-from starpo import (Batch, TokenLogprobs, UpdateConfig, make_optimizer, masked_mean, shared_prefix_len,
+from starpo import (AGG_MODES, Batch, TokenLogprobs, UpdateConfig, make_optimizer, masked_mean, shared_prefix_len,
                     token_logprobs, update)
 
 PRESETS = {  # the paper's two recipes (section 4.2, Appendix C.2/D); flags typed explicitly win. StarPO's KL is
@@ -113,7 +113,7 @@ class Config:
                                          "token after the system prompt, as the paper's runs did)")
     loss_agg: str = cli.flag("token-mean", "how token losses become one: token mean over the mini-batch, or per "
                                            "sequence first (seq-mean-token-mean = the paper's 1/|tau| form)",
-                             choices=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+                             choices=list(AGG_MODES))
     temperature: float = cli.flag(1.0, "rollout sampling temperature", gt=0)
     think: bool = cli.flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
     context_turns: int = cli.flag(0, "history window: 0 = whole conversation (paper), K = last K turns", lo=0)
@@ -125,8 +125,7 @@ class Config:
     dump_trajectories: int = cli.flag(3, "trajectories written as text at each eval", lo=0)
     stop_on_collapse: bool = cli.flag(False, "end the run cleanly when the Echo Trap monitor fires")
     seed: int = cli.flag(0, "seed of everything (training seeds, sampling, mini-batch order)", lo=0, hi=cli.SEED_MAX)
-    out: str | None = cli.flag(None, "run folder (default: runs/ENV-ALGO-sSEED); never overwritten unless "
-                                     "--overwrite")
+    out: str | None = cli.flag(None, "run folder (default: runs/ENV-ALGO-sSEED); never overwritten unless --overwrite")
     resume: str | None = cli.flag(None, "continue the run in this folder from its last checkpoint (only --steps, "
                                         "--device and --threads may change)")
     overwrite: bool = cli.flag(False, "replace the run already in --out (its metrics, checkpoints, dumps, final/)")
@@ -144,13 +143,12 @@ class Config:
     groups_kept: int = field(default=0, metadata={"derived": True})
 
 
-def derive(cfg: Config, explicit: set[str]) -> Config:
+def derive(cfg: Config) -> Config:
     """Per-model defaults, sizes that follow from the flags, and one-line errors for bad values."""
     from policy import model_kind
-    kind = model_kind(cfg.model)
-    cli.fill_defaults(cfg, MODEL_DEFAULTS[kind])  # tiny-sized folders get the tiny ones too
-    cli.fill_defaults(cfg, dict(max_new_tokens=default_reply_tokens(kind, cfg.env),
-                                kl_in_reward=cfg.preset == "starpo" and cfg.algo == "ppo"))
+    kind = model_kind(cfg.model)  # tiny-sized folders get the tiny defaults too
+    cli.fill_defaults(cfg, {**MODEL_DEFAULTS[kind], "max_new_tokens": default_reply_tokens(kind, cfg.env),
+                            "kl_in_reward": cfg.preset == "starpo" and cfg.algo == "ppo"})
     cli.check(cli.bounds(cfg) + [(not (cfg.kl_in_reward and cfg.algo == "grpo"), "--kl-in-reward: PPO only (GRPO "
                                   "has no token rewards; its KL is a loss term, RAGEN's kl_loss_type)")])
     cfg.groups = cfg.prompts * cfg.online_k
@@ -310,10 +308,7 @@ def resume_config(cfg: Config, explicit: set[str]) -> Config:
         raise ValueError(f"--resume keeps the run's own config; it cannot change "
                          f"{', '.join('--' + k.replace('_', '-') for k in ignored)} (allowed with --resume: "
                          f"--steps, --device, --threads)")
-    try:
-        return Config(**{**saved, **{k: getattr(cfg, k) for k in explicit}, "out": cfg.resume})
-    except TypeError as e:
-        raise ValueError(f"--resume {cfg.resume}: {run / 'config.json'} does not fit this train.py ({e})") from None
+    return Config(**{**saved, **{k: getattr(cfg, k) for k in explicit}, "out": cfg.resume})
 
 
 def read_checkpoint(out: Path, device):
@@ -461,17 +456,14 @@ def main(argv=None):
         if cfg.plot:
             print(plot_runs(cfg.plot, cfg.plot_out))
             return None
-        cfg = derive(resume_config(cfg, explicit) if cfg.resume else inherit_rendering(cfg, explicit), explicit)
+        cfg = derive(resume_config(cfg, explicit) if cfg.resume else inherit_rendering(cfg, explicit))
         out = Path(cfg.out) if cfg.resume else cli.run_folder(cfg.out, "--out", cfg.overwrite)
         if cfg.webshop_data and cfg.env != "webshop":
             raise ValueError(f"--webshop-data {cfg.webshop_data}: only for --env webshop (this run: --env {cfg.env})")
-    except ValueError as e:
-        cli.fail(str(e))
-    from policy import autocast_dtype, load_critic, load_policy, pick_device, set_cpu_threads
+        from policy import autocast_dtype, load_critic, load_policy, pick_device, set_cpu_threads
 
-    # ---- processes: one under plain python; under torchrun one per GPU/CPU share, all with the whole model
-    # ---- model, reference, critic, optimizers, and the checkpoint to resume from: every input is read here
-    try:
+        # ---- processes: one under plain python; under torchrun one per GPU/CPU share, all with the whole model
+        # ---- model, reference, critic, optimizers, and the checkpoint to resume from: every input is read here
         device = dist.init(pick_device(cfg.device))
         if cfg.groups % dist.world_size():
             k = f" x --online-k {cfg.online_k}" if cfg.online_k > 1 else ""

@@ -235,12 +235,12 @@ def test_lr_warms_up_then_decays_on_a_cosine():
 
 def test_per_model_defaults_fill_only_what_was_not_given():
     """Hub models get the paper's recipe and torch's beta2; the tiny policy its CPU recipe; a flag given wins."""
-    tiny = sft.derive(sft.Config(), set())
+    tiny = sft.derive(sft.Config())
     assert (tiny.train_trajectories, tiny.batch, tiny.lr, tiny.adam_beta2, tiny.lora_rank) == (2800, 16, 2e-3, 0.95, 0)
-    hub = sft.derive(sft.Config(model="Qwen/Qwen2.5-0.5B-Instruct"), set())
+    hub = sft.derive(sft.Config(model="Qwen/Qwen2.5-0.5B-Instruct"))
     assert (hub.train_trajectories, hub.epochs, hub.batch, hub.micro_batch, hub.lr, hub.adam_beta2,
             hub.lora_rank) == (1000, 5, 128, 4, 1e-4, 0.999, 64)
-    assert sft.derive(sft.Config(adam_beta2=0.9, batch=32), {"adam_beta2", "batch"}).adam_beta2 == 0.9
+    assert sft.derive(sft.Config(adam_beta2=0.9, batch=32)).adam_beta2 == 0.9
 
 
 @pytest.mark.parametrize("flag,value", [("--lora-rank", "-1"), ("--adam-beta2", "1.0")])

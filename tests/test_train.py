@@ -115,10 +115,10 @@ def test_presets_and_explicit_flags():
     assert (cfg.filter, cfg.kl_coef, cfg.clip_high) == (1.0, 0.001, 0.2)
     cfg, _ = cli.parse(train.Config, ["--preset", "starpo", "--clip-high", "0.3"], presets=train.PRESETS)
     assert cfg.clip_high == 0.3 and cfg.filter == 1.0
-    cfg = train.derive(cli.parse(train.Config, [], presets=train.PRESETS)[0], set())
+    cfg = train.derive(cli.parse(train.Config, [], presets=train.PRESETS)[0])
     assert (cfg.filter, cfg.kl_coef, cfg.clip_low, cfg.clip_high, cfg.groups_kept) == (0.25, 0.0, 0.2, 0.28, 2)
     assert cfg.lr == train.MODEL_DEFAULTS["tiny"]["lr"]
-    cfg = train.derive(cli.parse(train.Config, ["--model", "Qwen/Qwen2.5-0.5B-Instruct"])[0], set())
+    cfg = train.derive(cli.parse(train.Config, ["--model", "Qwen/Qwen2.5-0.5B-Instruct"])[0])
     assert (cfg.lr, cfg.critic_lr) == (1e-6, 1e-5)
 
 
@@ -174,7 +174,7 @@ def test_paper_switches_in_config_and_help():
     """Each faithfulness switch: the preset's KL kind and placement, the group noise, the mask, the loss
     aggregation and the reply budget land in the config as the paper ran them, and --help names the paper's value."""
     import cli
-    parse = lambda args: train.derive(cli.parse(train.Config, args, presets=train.PRESETS)[0], set(args))  # noqa
+    parse = lambda args: train.derive(cli.parse(train.Config, args, presets=train.PRESETS)[0])  # noqa
     ppo = parse(["--preset", "starpo", "--algo", "ppo"])
     assert (ppo.kl_coef, ppo.kl_kind, ppo.kl_in_reward, ppo.filter, ppo.clip_high) == (0.001, "k1", True, 1.0, 0.2)
     grpo = parse(["--preset", "starpo", "--algo", "grpo"])
