@@ -286,7 +286,8 @@ def webshop_reward(product: dict, goal: dict, price: float, options: dict) -> tu
 # ----------------------------------------------------------------------------- the generated catalogue
 
 # (category, group, noun, article, attribute pool, option groups, price range). Every word here ends up in
-# the policy's vocabulary, so the lists stay short; catalogue_problems() keeps the reward honest.
+# the policy's vocabulary, so the lists stay short; tests/test_webshop.py's catalogue_problems() keeps the
+# reward honest.
 _FASHION_COLORS = ["black", "white", "red", "blue", "green", "grey", "pink", "navy"]
 _CLOTHES = ["small", "medium", "large", "x-large"]
 _PACKS = ["pack of 2", "pack of 4", "pack of 6"]

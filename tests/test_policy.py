@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 import policy  # noqa: E402
 import rollout as R  # noqa: E402
 
-torch.set_num_threads(1)  # see the developers' guide: 2 threads were erratic and slower on these machines
+torch.set_num_threads(1)  # on 2-core machines, 2 threads made small-model forward+backward erratic and slower
 
 # The same SMALL build as tests/test_rollout.py (same dict, same cache folder: built once per session).
 SMALL = dict(envs=["bandit", "sokoban"],

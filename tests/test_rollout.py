@@ -20,7 +20,7 @@ import rollout as R  # noqa: E402
 from envs import ENVS, make_env  # noqa: E402
 from starpo import shared_prefix_len  # noqa: E402
 
-torch.set_num_threads(1)  # see the developers' guide
+torch.set_num_threads(1)  # on 2-core machines, 2 threads made small-model forward+backward erratic and slower
 
 # The same SMALL build as tests/test_policy.py (same dict, same cache folder: built once per session).
 SMALL = dict(envs=["bandit", "sokoban"],
