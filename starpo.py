@@ -267,7 +267,7 @@ def shared_prefix_len(rows: list[list[int]]) -> int:
 
     Host lists, so no device sync. Rendered from one template, all rows of an env start with the same system
     prompt and instructions (132 of ~235 tokens in a 1-turn Sokoban window of the tiny tokenizer);
-    starpo.token_logprobs(prefix_len=) and rollout.generate run that part once instead of once per row."""
+    starpo.token_logprobs(prefix_len=) and sampler.generate run that part once instead of once per row."""
     n = min(map(len, rows), default=1) - 1
     for r in rows[1:]:
         n = next((k for k in range(n) if r[k] != rows[0][k]), n)

@@ -373,80 +373,6 @@ def save_final(out: Path, policy, tok, cfg: Config):
     (final / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
 
 
-# ------------------------------------------------------------------------------------------- plots
-
-PLOT_KEYS = [("rollout/reward_mean", "average reward", None), ("rollout/in_group_std", "in-group reward std",
-                                                                  "std_collapse"),
-             ("train/grad_norm", "grad norm", "grad_spike"), ("train/entropy", "entropy", "entropy_swing"),
-             ("eval/success", "eval success (95% CI)", None)]
-PLOT_SAME = {"out", "resume", "overwrite", "plot", "plot_out", "groups", "groups_kept"}  # never named in labels
-
-
-def read_runs(run_dirs: list[str]) -> dict[str, list[dict]]:
-    """Each run folder's metrics lines; ValueError naming a folder or file that is not one."""
-    runs = {}
-    for run in run_dirs:
-        path = Path(run) / "metrics.jsonl"
-        if not path.is_file():
-            raise ValueError(f"--plot {run}: no metrics.jsonl in it (is it a run folder?)")
-        try:
-            runs[run] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        except (ValueError, OSError) as e:
-            raise ValueError(f"--plot {run}: {path} is not a metrics file ({e})") from None
-    return runs
-
-
-def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
-    """The paper's four Echo Trap signals (section 4.1, Figure 4) and eval success of one or more runs, one PNG:
-    the raw per-iteration trace faint, its running mean bold, eval points with their 95% intervals, and a marker
-    where the Echo Trap monitor fired on that signal. Runs are labelled by the settings that differ between them."""
-    runs = read_runs(run_dirs)
-    out_png = str(cli.writable_file(out_png or str(Path(run_dirs[0]) / "echo_trap.png"), "--plot-out"))
-    cfgs = {run: cli.read_json(Path(run) / "config.json", "--plot") if (Path(run) / "config.json").is_file() else {}
-            for run in runs}
-    keys = sorted({k for c in cfgs.values() for k in c} - PLOT_SAME)
-    differ = [k for k in keys if len({json.dumps(c.get(k)) for c in cfgs.values()}) > 1]
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-    fig, axes = plt.subplots(1, len(PLOT_KEYS), figsize=(3.6 * len(PLOT_KEYS), 3.6))
-    for n, (run, rows) in enumerate(runs.items()):
-        c, color = cfgs[run], f"C{n % 10}"
-        label = Path(run).name + (" (" + ", ".join(f"{k} {c.get(k)}" for k in differ) + ")" if differ else "")
-        for ax, (key, title, signal) in zip(axes, PLOT_KEYS):
-            have = [r for r in rows if r.get(key) is not None]
-            ax.set_title(title, fontsize=10)
-            ax.set_xlabel("iteration")
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            if not have:
-                continue
-            xs, ys = [r["step"] for r in have], [r[key] for r in have]
-            if key == "eval/success":
-                bars = [[r[key] - r["eval/success_lo"] for r in have], [r["eval/success_hi"] - r[key] for r in have]]
-                ax.errorbar(xs, ys, yerr=bars, color=color, marker="o", ms=4, capsize=4, lw=1.5, label=label)
-                continue
-            ax.plot(xs, ys, color=color, lw=0.8, alpha=0.3)
-            trend = [statistics.fmean(ys[max(0, i - 4):i + 1]) for i in range(len(ys))]  # the running mean of 5
-            ax.plot(xs, trend, color=color, lw=2, label=label)
-            fired = [(r["step"], r[key]) for r in have if signal and r.get(f"echo/{signal}")]
-            if fired:
-                ax.scatter(*zip(*fired), color=color, marker="x", s=40, zorder=3)
-    last = max((r["step"] for rows in runs.values() for r in rows), default=1)
-    for ax in axes:
-        ax.set_xlim(0, last + 1)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
-    what = ", ".join(differ) if differ else ", ".join(f"{k} {next(iter(cfgs.values())).get(k)}" for k in
-                                                     ("env", "algo", "filter") if cfgs and next(iter(cfgs.values())))
-    fig.suptitle(f"Echo Trap signals{' by ' + what if differ else (' (' + what + ')' if what else '')}; "
-                 f"bold: running mean of 5, x: monitor warning", fontsize=11)
-    fig.tight_layout(rect=(0, 0.06 + 0.04 * ((len(labels) - 1) // 3), 1, 0.95))
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
-
-
 # ------------------------------------------------------------------------------------------- main
 
 def main(argv=None):
@@ -454,6 +380,7 @@ def main(argv=None):
     try:
         cfg, explicit = cli.parse(Config, argv, description=__doc__.split("\n")[0], presets=PRESETS)
         if cfg.plot:
+            from plot import plot_runs
             print(plot_runs(cfg.plot, cfg.plot_out))
             return None
         cfg = derive(resume_config(cfg, explicit) if cfg.resume else inherit_rendering(cfg, explicit))

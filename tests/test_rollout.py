@@ -1,4 +1,4 @@
-"""Tests for rollout.py: the parser and turn rules, the loss mask, batched vs one-at-a-time sampling, budgets,
+"""Tests for rollout.py and sampler.py: the parser and turn rules, the loss mask, batched vs one-at-a-time sampling,
 history windows, stopping, the scripted agents and the dump.
 
 Run from the repository root:  python -m pytest -q tests/test_rollout.py   (about 15 s on one core)
@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import policy  # noqa: E402
 import rollout as R  # noqa: E402
+import sampler as S  # noqa: E402
 from envs import ENVS, make_env  # noqa: E402
 from starpo import shared_prefix_len  # noqa: E402
 
@@ -253,13 +254,13 @@ def test_generate_returns_each_rows_cache_of_what_it_ran(small):
     cfg, header = R.RolloutConfig(), R.header_text(make_env("sokoban"), R.RolloutConfig())
     prompts = [R.render_ids(tok, R.window_messages(header, [R.turn_text(1, make_env("sokoban").reset(s), 10, cfg)],
                                                     [], 0), cfg) for s in (1000, 1000, 1001)]
-    sampled, caches = R.generate(model, tok, prompts, 12, 1.0, torch.Generator().manual_seed(0), keep_cache=True,
+    sampled, caches = S.generate(model, tok, prompts, 12, 1.0, torch.Generator().manual_seed(0), keep_cache=True,
                                  dedupe=True)
     for p, s, c in zip(prompts, sampled, caches):
         ids = torch.tensor([p + s[:-1]])
         assert c.length == ids.shape[1]
-        kw = R.cache_keyword(model)
-        ref = model.base_model(input_ids=ids, use_cache=True, **{kw: R.DynamicCache()})[kw]
+        kw = S.cache_keyword(model)
+        ref = model.base_model(input_ids=ids, use_cache=True, **{kw: S.DynamicCache()})[kw]
         for (k, v), (rk, rv, *_) in zip(c.kv, ref):
             assert torch.allclose(k, rk[0], atol=1e-5) and torch.allclose(v, rv[0], atol=1e-5)
 
@@ -272,11 +273,11 @@ def test_generation_stops_at_answer_eos_or_budget(small):
         for a, b in runs(seg.loss_mask):
             text = tok.decode(seg.input_ids[a:b])
             if seg.input_ids[b - 1] == tok.eos_token_id:
-                assert R.STOP_TEXT not in text[:-len(tok.eos_token)]
+                assert S.STOP_TEXT not in text[:-len(tok.eos_token)]
             elif b - a < cfg.max_new_tokens:
-                assert text.endswith(R.STOP_TEXT) and text.count(R.STOP_TEXT) == 1
+                assert text.endswith(S.STOP_TEXT) and text.count(S.STOP_TEXT) == 1
             else:
-                assert R.STOP_TEXT not in tok.decode(seg.input_ids[a:b - 1])
+                assert S.STOP_TEXT not in tok.decode(seg.input_ids[a:b - 1])
 
 
 def test_no_response_mask_trains_every_token_after_the_system_message(small):
