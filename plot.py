@@ -9,7 +9,8 @@ Echo Trap monitor fired on that signal. Runs are labelled by the settings that d
 
 Its own file because drawing is not training: train.py only hands `--plot` over to `plot_runs`.
 
-Deviations from the paper / RAGEN: none (RAGEN logs to wandb; the paper's figures are plotted from those logs).
+Deviations from the paper / RAGEN: none in what is drawn (RAGEN sends these metrics to wandb; here they come
+from the run's own metrics.jsonl).
 """
 from __future__ import annotations
 
