@@ -1,8 +1,8 @@
 """Batched sampling with a KV cache: the replies of every live episode of a turn, decoded in one batch.
 
-This is the engine under rollout.py (RAGEN runs vLLM here). Its own file because it is engineering, not the
-paper's method: the caches change the speed of a rollout, not its distribution (the same math up to float
-rounding). Optional reading, like the fused loss path in starpo.py.
+This is the engine under rollout.py's multi-turn rollouts (paper section 2.1; RAGEN runs vLLM here). Its own
+file because it is engineering, not the paper's method: the caches change the speed of a rollout, not its
+distribution (the same math up to float rounding). Optional reading, like the fused loss path in starpo.py.
 
 `generate` runs `model.base_model` and the LM head itself (no `model.generate`): every row of a batch is a
 different episode, each row's cache can come from its previous turn (`EpisodeCache`), rows that share a

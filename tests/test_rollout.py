@@ -19,7 +19,8 @@ import policy  # noqa: E402
 import rollout as R  # noqa: E402
 import sampler as S  # noqa: E402
 from envs import ENVS, make_env  # noqa: E402
-from starpo import shared_prefix_len  # noqa: E402
+from starpo import cache_keyword, shared_prefix_len  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 torch.set_num_threads(1)  # on 2-core machines, 2 threads made small-model forward+backward erratic and slower
 
@@ -259,8 +260,8 @@ def test_generate_returns_each_rows_cache_of_what_it_ran(small):
     for p, s, c in zip(prompts, sampled, caches):
         ids = torch.tensor([p + s[:-1]])
         assert c.length == ids.shape[1]
-        kw = S.cache_keyword(model)
-        ref = model.base_model(input_ids=ids, use_cache=True, **{kw: S.DynamicCache()})[kw]
+        kw = cache_keyword(model)
+        ref = model.base_model(input_ids=ids, use_cache=True, **{kw: DynamicCache()})[kw]
         for (k, v), (rk, rv, *_) in zip(c.kv, ref):
             assert torch.allclose(k, rk[0], atol=1e-5) and torch.allclose(v, rv[0], atol=1e-5)
 
