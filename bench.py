@@ -20,6 +20,14 @@ Sections (a plain dict below, SECTIONS):
   prior  the untrained policy on every env, think and no-think, at temperatures 0.5 (eval) and 1.0 (training):
          well-formed replies per turn (the target: >= 90%), valid actions, success, next to the random
          agent's success on the same 64 eval seeds (a markdown table for the README).
+  noise  how much of one training batch's policy gradient is signal: K independent batches built exactly as
+         train.py builds them (new rooms at each, its filter and advantages, `--noise-train-args` are its flags),
+         each one gradient g_k (ratio 1, no entropy bonus, no clipping), then |E g|^2 (unbiased: (|sum g|^2 -
+         sum |g|^2) / (K (K-1))), tr Cov (one batch's noise), their ratio B = tr Cov / |E g|^2 (the "simple
+         noise scale" of McCandlish et al. 2018: the batches an optimizer step needs before its signal matches
+         its noise) and the mean cosine between two batches' gradients. The control: the same batches with each
+         row's advantages times a random sign, whose |E g|^2 is 0, so its estimate shows the estimate's error.
+             python bench.py noise --noise-train-args "--env sokoban --algo grpo --filter 0.25" --noise-batches 24
 
 Peak memory: on CUDA, torch.cuda.max_memory_allocated() minus the allocation before the call (exact, counts
 only tensors). On CPU (torch has no CPU allocator statistics), the process's peak resident set size: the Linux
@@ -38,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import math
 import statistics
 import threading
 import time
@@ -45,7 +54,7 @@ import time
 import torch
 
 import cli
-from starpo import fused_logprobs_entropy, naive_logprobs_entropy
+from starpo import TokenLogprobs, fused_logprobs_entropy, naive_logprobs_entropy
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -388,6 +397,104 @@ def bench_prior(args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Section: noise
+# ----------------------------------------------------------------------------------------------------------
+
+class _KeepGradient:
+    """Stands in for the optimizer in starpo.update: `step` keeps the whole gradient as one flat vector."""
+    def __init__(self, params):
+        self.params, self.grads = [p for p in params if p.requires_grad], []
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        self.grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                                     for p in self.params]).float().cpu())
+
+
+def _signal_noise(g: torch.Tensor) -> dict:
+    """g [K, D], K independent gradients -> signal |E g|^2, noise tr Cov, their ratio, mean pairwise cosine."""
+    K = g.shape[0]
+    total, sq = g.sum(0).square().sum().item(), g.square().sum().item()
+    signal = (total - sq) / (K * (K - 1))               # unbiased: the cross terms only
+    noise = (g - g.mean(0)).square().sum().item() / (K - 1)
+    u = g / g.norm(dim=1, keepdim=True).clamp(min=1e-30)
+    cosine = (u.sum(0).square().sum().item() - K) / (K * (K - 1))
+    return dict(signal=signal, noise=noise, batches_needed=noise / signal if signal > 0 else math.inf,
+                cosine=cosine)
+
+
+def _noise_config(train_args: str):
+    """train.py's Config from --noise-train-args, with one gradient per batch (one mini-batch, ratio 1)."""
+    import shlex
+
+    import train
+    try:
+        cfg, explicit = cli.parse(train.Config, shlex.split(train_args), prog="bench.py --noise-train-args",
+                                  presets=train.PRESETS)
+        cfg = train.derive(train.inherit_rendering(cfg, explicit))
+    except ValueError as e:
+        raise ValueError(f"--noise-train-args {train_args!r}: {e}") from None
+    return dataclasses.replace(cfg, mini_batch=10 ** 9, ppo_epochs=1)
+
+
+def bench_noise(args) -> dict:
+    """Signal against noise in the policy gradient of train.py's batches (see the module docstring)."""
+    import copy
+
+    import numpy as np
+
+    import train
+    from envs import train_seeds
+    from filter import select_groups
+    from policy import load_critic
+    from rollout import rollout
+    from starpo import UpdateConfig, update
+    cfg = args.noise_cfg  # main() read --noise-train-args with the other flags
+    device = torch.device(args.device)
+    policy, tok, path, env_overrides = train.load_model_and_env(cfg, device)
+    critic = load_critic(path, device) if cfg.algo == "ppo" else None
+    ref = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
+    ucfg = UpdateConfig(mini_batch=10 ** 9, micro_batch=cfg.micro_batch, clip_low=cfg.clip_low,
+                        clip_high=cfg.clip_high, entropy_coef=0.0, agg=cfg.loss_agg, kl_coef=cfg.kl_coef,
+                        kl_kind=cfg.kl_kind, temperature=cfg.temperature, fused=cfg.fused, max_grad_norm=math.inf)
+    rcfg = train.rollout_config(cfg, cfg.temperature)
+    real, signs = _KeepGradient(policy.parameters()), _KeepGradient(policy.parameters())
+    critic_sink = _KeepGradient(critic.parameters()) if critic is not None else None
+    print(f"[noise] {cfg.model} on {cfg.env}, {cfg.algo}, {cfg.prompts} x {cfg.rollouts}, filter {cfg.filter}, "
+          f"{args.noise_batches} batches (iterations 1..{args.noise_batches} of seed {cfg.seed}), {device.type}")
+    t0, kept_rows = time.perf_counter(), []
+    for it in range(args.noise_batches):
+        gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + it)
+        seeds = train_seeds(np.random.default_rng([cfg.seed, it]), cfg.groups)
+        policy.eval()
+        trajs = rollout(cfg.env, [s for s in seeds for _ in range(cfg.rollouts)],
+                        [g for g in range(cfg.groups) for _ in range(cfg.rollouts)], rcfg, tokenizer=tok,
+                        model=policy, generator=gen, env_overrides=env_overrides,
+                        samples=train.group_samples(cfg.group_noise, cfg.groups, cfg.rollouts))
+        rewards = torch.tensor([t.reward for t in trajs]).view(cfg.groups, cfg.rollouts)  # [G, N]
+        keep, _ = select_groups(rewards, keep=cfg.filter, largest=not cfg.filter_smallest)
+        kept = [t for t in trajs if keep[t.group_id]]
+        batch, _ = train.prepare_batch(kept, cfg, policy, ref, critic, tok.pad_token_id, device, None, on_eval=False)
+        kept_rows.append(len(batch))
+        sign = (torch.randint(0, 2, (len(batch), 1), generator=torch.Generator().manual_seed(it)) * 2 - 1).float()
+        policy.train()
+        for sink, b in ((real, batch), (signs, dataclasses.replace(batch, advantages=batch.advantages
+                                                                     * sign.to(batch.advantages.device)))):
+            update(TokenLogprobs(policy), sink, b, ucfg, critic=critic, critic_optimizer=critic_sink)
+    res = {name: _signal_noise(torch.stack(sink.grads)) for name, sink in (("real", real), ("random_signs", signs))}
+    for name, r in res.items():
+        print(f"[noise] {name:12s} |E g|^2 {r['signal']:.3g}  noise (tr Cov of one batch) {r['noise']:.3g}  "
+              f"batches per step for signal = noise {r['batches_needed']:.3g}  mean cosine {r['cosine']:.3g}")
+    print(f"[noise] rows per batch: median {statistics.median(kept_rows):g}; "
+          f"{time.perf_counter() - t0:.0f} s. Read |E g|^2 against the control's, which is 0 up to the "
+          f"estimate's error")
+    return {**res, "rows": statistics.median(kept_rows)}
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Section: gpu
 # ----------------------------------------------------------------------------------------------------------
 
@@ -464,6 +571,7 @@ SECTIONS = {
     "rollout": bench_rollout,
     "prefix": bench_prefix,
     "prior": bench_prior,
+    "noise": bench_noise,
     "gpu": bench_gpu,
 }
 
@@ -489,6 +597,9 @@ def main(argv=None):
     parser.add_argument("--prefix-rows", type=int, default=32, help="SFT rows per batch (the tiny default 32)")
     parser.add_argument("--prior-episodes", type=int, default=64, help="episodes per env/mode/temperature")
     parser.add_argument("--prior-temperatures", default="0.5,1.0", help="eval 0.5, training 1.0")
+    parser.add_argument("--noise-train-args", default="--env sokoban --algo grpo --filter 0.25",
+                        help="noise: train.py's flags for the batches (default: the main command)")
+    parser.add_argument("--noise-batches", type=int, default=16, help="noise: K independent batches (>= 2)")
     for name, value in QWEN_05B.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
                             help=f"gpu: model {name.replace('_', ' ')} (Qwen2.5-0.5B: {value})")
@@ -506,6 +617,7 @@ def main(argv=None):
                   + [(getattr(args, k) >= 1, f"--{k.replace('_', '-')} {getattr(args, k)}: must be >= 1")
                      for k in counts]
                   + [(args.rollout_n >= 2, f"--rollout-n {args.rollout_n}: must be >= 2"),
+                     (args.noise_batches >= 2, f"--noise-batches {args.noise_batches}: must be >= 2"),
                      (args.gpu_rollouts >= 2, f"--gpu-rollouts {args.gpu_rollouts}: must be >= 2"),
                      (args.fused_chunk is None or args.fused_chunk >= 1,
                       f"--fused-chunk {args.fused_chunk}: must be >= 1"),
@@ -515,6 +627,8 @@ def main(argv=None):
         cli.check([(all(t >= 0 for t in temps), f"--prior-temperatures {args.prior_temperatures}: must be >= 0")])
         from policy import pick_device
         args.device = str(pick_device(args.device))
+        if "noise" in (args.sections or SECTIONS):  # its errors before any section runs
+            args.noise_cfg = _noise_config(args.noise_train_args)
     except (ValueError, argparse.ArgumentTypeError) as e:
         cli.fail(f"--prior-temperatures {args.prior_temperatures}: {e}" if isinstance(e, argparse.ArgumentTypeError)
                  else str(e))

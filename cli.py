@@ -79,8 +79,8 @@ def _parse_type(tp):
     return tp, None
 
 
-def build_parser(cls, description: str) -> argparse.ArgumentParser:
-    parser = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def build_parser(cls, description: str, prog: str | None = None) -> argparse.ArgumentParser:
+    parser = Parser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get("derived"):  # computed after parsing, not a flag
@@ -101,9 +101,11 @@ def build_parser(cls, description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def parse(cls, argv=None, description: str = "", presets: dict | None = None, preset_field: str = "preset"):
-    """-> (cfg, explicit): the Config with preset values applied under the flags that were typed."""
-    parser = build_parser(cls, description)
+def parse(cls, argv=None, description: str = "", presets: dict | None = None, preset_field: str = "preset",
+          prog: str | None = None):
+    """-> (cfg, explicit): the Config with preset values applied under the flags that were typed. `prog`: the
+    name flag errors start with (default: the script's)."""
+    parser = build_parser(cls, description, prog)
     given = vars(parser.parse_args(argv))
     values = {}
     if presets is not None and given.get(preset_field):

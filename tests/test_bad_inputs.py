@@ -130,6 +130,9 @@ CASES = [
     ("bench", ["rollout", "--repeats", "0"], "--repeats 0", None),
     ("bench", ["gpu", "--gpu-filter", "2"], "--gpu-filter 2.0", None),
     ("bench", ["--device", "tpu"], "--device", None),
+    ("bench", ["noise", "--noise-batches", "1"], "--noise-batches 1", None),
+    ("bench", ["noise", "--noise-train-args", "--prompts 0"], "--noise-train-args '--prompts 0': --prompts 0", None),
+    ("bench", ["noise", "--noise-train-args", "--nosuch 1"], "--noise-train-args: error: unrecognized", None),
 ]
 
 
