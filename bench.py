@@ -400,30 +400,45 @@ def bench_prior(args) -> dict:
 # Section: noise
 # ----------------------------------------------------------------------------------------------------------
 
-class _KeepGradient:
-    """Stands in for the optimizer in starpo.update: `step` keeps the whole gradient as one flat vector."""
+class _GradientStats:
+    """Stands in for the optimizer in starpo.update: `step` adds the gradient to running sums (the sum, the sum of
+    unit vectors, the sum of squared norms), so K batches cost two model-sized vectors, not K."""
     def __init__(self, params):
-        self.params, self.grads = [p for p in params if p.requires_grad], []
+        self.params, self.k, self.sum, self.unit, self.sq = [p for p in params if p.requires_grad], 0, None, None, 0.0
 
     def zero_grad(self, set_to_none: bool = True):
         for p in self.params:
             p.grad = None
 
     def step(self):
-        self.grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
-                                     for p in self.params]).float().cpu())
+        self.add(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float()
+                            for p in self.params]))
+
+    def add(self, g: torch.Tensor):
+        norm = torch.linalg.vector_norm(g, dtype=torch.float64).item()
+        self.k, self.sq = self.k + 1, self.sq + norm ** 2
+        self.sum = g.clone() if self.sum is None else self.sum.add_(g)
+        u = g / max(norm, 1e-30)
+        self.unit = u if self.unit is None else self.unit.add_(u)
+
+    def result(self) -> dict:
+        """Signal |E g|^2 (unbiased: the mean dot product of two different batches' gradients), noise tr Cov (the
+        sample variance), their ratio, and the mean cosine between two batches' gradients."""
+        K = self.k
+        total = torch.linalg.vector_norm(self.sum, dtype=torch.float64).item() ** 2
+        signal = (total - self.sq) / (K * (K - 1))
+        noise = (self.sq - total / K) / (K - 1)
+        cosine = (torch.linalg.vector_norm(self.unit, dtype=torch.float64).item() ** 2 - K) / (K * (K - 1))
+        return dict(signal=signal, noise=noise, batches_needed=noise / signal if signal > 0 else math.inf,
+                    cosine=cosine)
 
 
 def _signal_noise(g: torch.Tensor) -> dict:
-    """g [K, D], K independent gradients -> signal |E g|^2, noise tr Cov, their ratio, mean pairwise cosine."""
-    K = g.shape[0]
-    total, sq = g.sum(0).square().sum().item(), g.square().sum().item()
-    signal = (total - sq) / (K * (K - 1))               # unbiased: the cross terms only
-    noise = (g - g.mean(0)).square().sum().item() / (K - 1)
-    u = g / g.norm(dim=1, keepdim=True).clamp(min=1e-30)
-    cosine = (u.sum(0).square().sum().item() - K) / (K * (K - 1))
-    return dict(signal=signal, noise=noise, batches_needed=noise / signal if signal > 0 else math.inf,
-                cosine=cosine)
+    """g [K, D], K independent gradients -> _GradientStats.result()."""
+    stats = _GradientStats([])
+    for row in g:
+        stats.add(row)
+    return stats.result()
 
 
 def _noise_config(train_args: str):
@@ -461,8 +476,8 @@ def bench_noise(args) -> dict:
                         clip_high=cfg.clip_high, entropy_coef=0.0, agg=cfg.loss_agg, kl_coef=cfg.kl_coef,
                         kl_kind=cfg.kl_kind, temperature=cfg.temperature, fused=cfg.fused, max_grad_norm=math.inf)
     rcfg = train.rollout_config(cfg, cfg.temperature)
-    real, signs = _KeepGradient(policy.parameters()), _KeepGradient(policy.parameters())
-    critic_sink = _KeepGradient(critic.parameters()) if critic is not None else None
+    real, signs = _GradientStats(policy.parameters()), _GradientStats(policy.parameters())
+    critic_sink = _GradientStats(critic.parameters()) if critic is not None else None
     print(f"[noise] {cfg.model} on {cfg.env}, {cfg.algo}, {cfg.prompts} x {cfg.rollouts}, filter {cfg.filter}, "
           f"{args.noise_batches} batches (iterations 1..{args.noise_batches} of seed {cfg.seed}), {device.type}")
     t0, kept_rows = time.perf_counter(), []
@@ -484,7 +499,7 @@ def bench_noise(args) -> dict:
         for sink, b in ((real, batch), (signs, dataclasses.replace(batch, advantages=batch.advantages
                                                                      * sign.to(batch.advantages.device)))):
             update(TokenLogprobs(policy), sink, b, ucfg, critic=critic, critic_optimizer=critic_sink)
-    res = {name: _signal_noise(torch.stack(sink.grads)) for name, sink in (("real", real), ("random_signs", signs))}
+    res = {"real": real.result(), "random_signs": signs.result()}
     for name, r in res.items():
         print(f"[noise] {name:12s} |E g|^2 {r['signal']:.3g}  noise (tr Cov of one batch) {r['noise']:.3g}  "
               f"batches per step for signal = noise {r['batches_needed']:.3g}  mean cosine {r['cosine']:.3g}")

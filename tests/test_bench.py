@@ -31,7 +31,7 @@ def test_gpu_section_runs_ppo_with_a_critic_on_a_small_qwen_shape():
 def test_signal_noise_matches_the_pairwise_definition():
     """|E g|^2 is the mean dot product of two different batches' gradients, tr Cov the sample variance, the cosine
     the mean pairwise cosine: bench._signal_noise against loops over the pairs."""
-    g = torch.randn(5, 7, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 1.0
+    g = torch.randn(5, 7, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 1.0  # [K, D]
     pairs = [(i, j) for i in range(5) for j in range(5) if i != j]
     r = bench._signal_noise(g)
     assert abs(r["signal"] - sum(float(g[i] @ g[j]) for i, j in pairs) / len(pairs)) < 1e-9
