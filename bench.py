@@ -464,11 +464,12 @@ def bench_noise(args) -> dict:
     import train
     from envs import train_seeds
     from filter import select_groups
-    from policy import load_critic
+    from policy import autocast_dtype, load_critic
     from rollout import rollout
     from starpo import UpdateConfig, update
     cfg = args.noise_cfg  # main() read --noise-train-args with the other flags
     device = torch.device(args.device)
+    amp = autocast_dtype(device)  # bf16 on CUDA, as train.py
     policy, tok, path, env_overrides = train.load_model_and_env(cfg, device)
     critic = load_critic(path, device) if cfg.algo == "ppo" else None
     ref = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
@@ -492,13 +493,14 @@ def bench_noise(args) -> dict:
         rewards = torch.tensor([t.reward for t in trajs]).view(cfg.groups, cfg.rollouts)  # [G, N]
         keep, _ = select_groups(rewards, keep=cfg.filter, largest=not cfg.filter_smallest)
         kept = [t for t in trajs if keep[t.group_id]]
-        batch, _ = train.prepare_batch(kept, cfg, policy, ref, critic, tok.pad_token_id, device, None, on_eval=False)
+        batch, _ = train.prepare_batch(kept, cfg, policy, ref, critic, tok.pad_token_id, device, amp, on_eval=False)
         kept_rows.append(len(batch))
         sign = (torch.randint(0, 2, (len(batch), 1), generator=torch.Generator().manual_seed(it)) * 2 - 1).float()
         policy.train()
         for sink, b in ((real, batch), (signs, dataclasses.replace(batch, advantages=batch.advantages
                                                                      * sign.to(batch.advantages.device)))):
-            update(TokenLogprobs(policy), sink, b, ucfg, critic=critic, critic_optimizer=critic_sink)
+            update(TokenLogprobs(policy), sink, b, ucfg, critic=critic, critic_optimizer=critic_sink,
+                   autocast_dtype=amp)
     res = {"real": real.result(), "random_signs": signs.result()}
     for name, r in res.items():
         print(f"[noise] {name:12s} |E g|^2 {r['signal']:.3g}  noise (tr Cov of one batch) {r['noise']:.3g}  "
