@@ -459,13 +459,9 @@ def bench_noise(args) -> dict:
     """Signal against noise in the policy gradient of train.py's batches (see the module docstring)."""
     import copy
 
-    import numpy as np
-
     import train
-    from envs import train_seeds
     from filter import select_groups
     from policy import autocast_dtype, load_critic
-    from rollout import rollout
     from starpo import UpdateConfig, update
     cfg = args.noise_cfg  # main() read --noise-train-args with the other flags
     device = torch.device(args.device)
@@ -483,13 +479,7 @@ def bench_noise(args) -> dict:
           f"{args.noise_batches} batches (iterations 1..{args.noise_batches} of seed {cfg.seed}), {device.type}")
     t0, kept_rows = time.perf_counter(), []
     for it in range(args.noise_batches):
-        gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + it)
-        seeds = train_seeds(np.random.default_rng([cfg.seed, it]), cfg.groups)
-        policy.eval()
-        trajs = rollout(cfg.env, [s for s in seeds for _ in range(cfg.rollouts)],
-                        [g for g in range(cfg.groups) for _ in range(cfg.rollouts)], rcfg, tokenizer=tok,
-                        model=policy, generator=gen, env_overrides=env_overrides,
-                        samples=train.group_samples(cfg.group_noise, cfg.groups, cfg.rollouts))
+        trajs = train.iteration_rollouts(cfg, it, policy, tok, rcfg, env_overrides, device)
         rewards = torch.tensor([t.reward for t in trajs]).view(cfg.groups, cfg.rollouts)  # [G, N]
         keep, _ = select_groups(rewards, keep=cfg.filter, largest=not cfg.filter_smallest)
         kept = [t for t in trajs if keep[t.group_id]]

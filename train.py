@@ -189,6 +189,22 @@ def group_samples(group_noise: str, groups: int, rollouts: int) -> list[int]:
     return [k if group_noise == "independent" else 0 for _ in range(groups) for k in range(rollouts)]
 
 
+def iteration_rollouts(cfg: Config, it: int, policy, tok, rcfg: RolloutConfig, env_overrides: dict, device) -> list:
+    """Iteration `it`'s rollouts, in group order, on every rank: every rollout of a prompt shares its initial state
+    (a group) and, with --group-noise shared, its luck. Each rank rolls out its whole groups (all in one process),
+    then every rank holds all of them (the filter ranks ALL groups). Rooms come from (seed, it); sampling from
+    (seed, it, rank), rank 0's stream being the single-process one (deviation 7)."""
+    gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + it + (dist.rank() << 40))
+    seeds = train_seeds(np.random.default_rng([cfg.seed, it]), cfg.groups)
+    mine = dist.my_range(cfg.groups)
+    policy.eval()
+    trajs = rollout(cfg.env, [seeds[g] for g in mine for _ in range(cfg.rollouts)],
+                    [g for g in mine for _ in range(cfg.rollouts)], rcfg, tokenizer=tok, model=policy,
+                    generator=gen, env_overrides=env_overrides,
+                    samples=group_samples(cfg.group_noise, len(mine), cfg.rollouts))
+    return dist.all_gather_objects(trajs)
+
+
 def evaluates(cfg: Config, it: int) -> bool:
     """Whether iteration `it` (0-based) ends with an eval: every eval_every iterations and the last one."""
     return bool(cfg.eval_every and (it + 1) % cfg.eval_every == 0) or it + 1 == cfg.steps
@@ -455,20 +471,9 @@ def main(argv=None):
             t0 = time.time()
             m: dict = {"step": it + 1}
             diverged = None  # why the policy can no longer be trained, if it cannot
-            # sampling stream of (seed, iteration, rank); rank 0's is the single-process one (deviation 7)
-            gen = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + it + (dist.rank() << 40))
 
-            # 1. rollouts: P prompts x N rollouts (x online_k), every rollout of a prompt shares its initial state (a
-            #    group) and, with --group-noise shared, its luck. Each rank rolls out its whole groups `mine` (all in
-            #    one process); then every rank holds all of them.
-            seeds = train_seeds(np.random.default_rng([cfg.seed, it]), cfg.groups)
-            mine = dist.my_range(cfg.groups)
-            policy.eval()
-            trajs = rollout(cfg.env, [seeds[g] for g in mine for _ in range(cfg.rollouts)],
-                            [g for g in mine for _ in range(cfg.rollouts)], train_rcfg, tokenizer=tok, model=policy,
-                            generator=gen, env_overrides=env_overrides,
-                            samples=group_samples(cfg.group_noise, len(mine), cfg.rollouts))
-            trajs = dist.all_gather_objects(trajs)  # group order, every rank: the filter below ranks ALL groups
+            # 1. rollouts: P prompts x N rollouts (x online_k) in groups that share a room, on every rank
+            trajs = iteration_rollouts(cfg, it, policy, tok, train_rcfg, env_overrides, device)
             rewards = torch.tensor([t.reward for t in trajs]).view(cfg.groups, cfg.rollouts)  # [G, N]
             s = summarize(trajs)
             m.update({f"rollout/{k}": s[k] for k in ("success", "num_actions", "valid_action", "effective_action",
