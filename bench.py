@@ -460,7 +460,6 @@ def bench_noise(args) -> dict:
     import copy
 
     import train
-    from filter import select_groups
     from policy import autocast_dtype, load_critic
     from starpo import UpdateConfig, update
     cfg = args.noise_cfg  # main() read --noise-train-args with the other flags
@@ -480,9 +479,7 @@ def bench_noise(args) -> dict:
     t0, kept_rows = time.perf_counter(), []
     for it in range(args.noise_batches):
         trajs = train.iteration_rollouts(cfg, it, policy, tok, rcfg, env_overrides, device)
-        rewards = torch.tensor([t.reward for t in trajs]).view(cfg.groups, cfg.rollouts)  # [G, N]
-        keep, _ = select_groups(rewards, keep=cfg.filter, largest=not cfg.filter_smallest)
-        kept = [t for t in trajs if keep[t.group_id]]
+        kept, _, _ = train.kept_trajectories(cfg, it, trajs, tok, rcfg, env_overrides)
         batch, _ = train.prepare_batch(kept, cfg, policy, ref, critic, tok.pad_token_id, device, amp, on_eval=False)
         kept_rows.append(len(batch))
         sign = (torch.randint(0, 2, (len(batch), 1), generator=torch.Generator().manual_seed(it)) * 2 - 1).float()

@@ -7,7 +7,8 @@ deterministic, irreversible pushes), FrozenLake (multi-turn, stochastic transiti
 prompts (Section 3.3): `EVAL_SEEDS` = 123..378; `train_seeds` draws training seeds that never collide with them.
 The initial state (room/map generation, arm order) comes from a `numpy.random.Generator` seeded by `reset(seed)`,
 the dynamics' noise (bandit payoffs, slips) from a second one seeded by (seed, sample): (seed, sample, action
-words) fully determine an episode (deviation 2). The experts feed the SFT baseline (Appendix G) and the tests.
+words) fully determine an episode (deviation 2). The experts feed the SFT baseline (Appendix G) and the tests. Sokoban also
+tells where an episode left its boxes and can move its targets (`reached_goal`, `set_goal`: train.py --hindsight).
 
 Deliberate deviations from the paper or RAGEN's code:
 1. Bandit's safe arm pays 0.15 (the paper's Appendix; RAGEN's code: 0.1); risky: 1.0 w.p. 0.25 in both.
@@ -338,7 +339,26 @@ class SokobanEnv(_TextEnv):
     def _start(self, seed: int, noise):  # deterministic dynamics: the noise (`sample`) changes nothing
         self._floor, self._targets, self._player, self._boxes = generate_sokoban_room(
             np.random.default_rng(seed), self.size, self.num_boxes, self.search_depth)
+        self._start_boxes, self._player_at_start = self._boxes, self._player
         self._plans: dict = {}  # (player, boxes) -> remaining optimal plan, filled by expert_action
+
+    def reached_goal(self) -> tuple | None:
+        """The cells where the episode has left the boxes, as a goal for hindsight relabelling (train.py
+        --hindsight): None when no box has moved (nothing was demonstrated) or they stand on the room's own targets."""
+        goal = tuple(sorted(self._boxes))
+        return None if set(goal) in (set(self._start_boxes), set(self._targets)) else goal
+
+    def set_goal(self, goal) -> str:
+        """Right after reset: the same room, with its targets moved to `goal` (one floor cell per box, as
+        `reached_goal` returns them). -> the new observation. The episode then succeeds when the boxes stand there."""
+        self._require_live("set_goal()")
+        goal = tuple(sorted(int(c) for c in goal))
+        if len(set(goal)) != len(self._boxes) or not all(0 <= c < len(self._floor) and self._floor[c] for c in goal):
+            raise ValueError(f"{self.name}: a goal is {len(self._boxes)} distinct floor cells, got {goal}")
+        if (self._player, self._boxes) != (self._player_at_start, self._start_boxes):
+            raise RuntimeError(f"{self.name}: set_goal() before the first step only")
+        self._targets, self._plans = goal, {}
+        return self._render()
 
     def _on_target(self) -> int:
         return sum(b in self._targets for b in self._boxes)

@@ -4,6 +4,8 @@ One trajectory = system message + environment instruction, then up to `max_turns
 (state -> <think>..</think><answer>..</answer> -> reward feedback). Every turn of every live episode is decoded
 in ONE batch with a KV cache; the trajectory records the exact token ids that were sampled (never re-tokenised)
 and a loss mask that is 1 exactly on sampled tokens (section 2.2: only the agent's own tokens are optimised).
+A replay (`replies=`) re-sends recorded reply ids turn by turn, in the same room or one with another goal
+(train.py --hindsight).
 
 Prompt layout (after RAGEN's ctx_manager), built with the tokenizer's own chat template:
     system:    "You're a helpful assistant."
@@ -83,6 +85,7 @@ class Turn:
     effective: int
     response_tokens: int     # tokens the policy sampled this turn
     success: bool = False    # the environment reported success during this turn
+    tokens: list[int] = field(default_factory=list)  # the reply's token ids as sampled (a replay re-sends them)
 
 
 @dataclass
@@ -118,6 +121,8 @@ class Trajectory:
     success: bool = False
     done: bool = False       # the environment ended the episode (vs. a budget)
     truncated: bool = False  # ended because its next turn could have run past the model's positions
+    goal: tuple | None = None          # the goal it was given instead of the room's own (a hindsight replay)
+    reached_goal: tuple | None = None  # where it left the boxes, as a hindsight goal (envs with `reached_goal`)
     messages: list[dict] = field(default_factory=list)  # the full conversation as text, for dumps
 
     @property
@@ -258,23 +263,29 @@ def expert_agent(actions_per_turn: int = 1):
 
 def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutConfig, tokenizer=None,
             model=None, agent=None, generator: torch.Generator | None = None, samples: list[int] | None = None,
-            env_overrides: dict | None = None) -> list[Trajectory]:
+            env_overrides: dict | None = None, replies: list[list[list[int]]] | None = None,
+            goals: list | None = None) -> list[Trajectory]:
     """Run len(seeds) episodes in lock-step; each turn, all live episodes reply in one batch.
 
-    Replies come from `model` (sampled) or `agent(env, actions_left, cfg) -> (actions, thought)` (scripted);
+    Replies come from `model` (sampled), `agent(env, actions_left, cfg) -> (actions, thought)` (scripted) or
+    `replies[i]` (episode i re-sends these token ids turn by turn, ending when they run out: a replay);
     `tokenizer=None` records text only. `samples[i]`: the env draws episode i's noise (payoffs, slips) from
-    (seed, sample) (envs.py deviation 2)."""
-    if (model is None) == (agent is None):
-        raise ValueError("rollout needs exactly one of model= or agent=")
+    (seed, sample) (envs.py deviation 2). `goals[i]`: episode i's task is moved to this goal (`env.set_goal`)."""
+    if (model is not None) + (agent is not None) + (replies is not None) != 1:
+        raise ValueError("rollout needs exactly one of model=, agent= or replies=")
+    if replies is not None and tokenizer is None:
+        raise ValueError("a replay (replies=) re-sends token ids: it needs the tokenizer")
     envs = [make_env(env_name, **(env_overrides or {})) for _ in seeds]
-    trajs = [Trajectory(env=env_name, seed=s, group_id=g) for s, g in zip(seeds, group_ids)]
+    goals = goals if goals is not None else [None] * len(seeds)
+    trajs = [Trajectory(env=env_name, seed=s, group_id=g, goal=goal) for s, g, goal in zip(seeds, group_ids, goals)]
     samples = samples if samples is not None else [0] * len(seeds)
     obs = [e.reset(s, sample=k) for e, s, k in zip(envs, seeds, samples)]
+    obs = [o if goal is None else e.set_goal(goal) for e, o, goal in zip(envs, obs, goals)]
     left = [cfg.max_actions] * len(envs)
     live = list(range(len(envs)))
     hdr = [header_text(e, cfg) for e in envs]
     user_msgs: list[list[str]] = [[] for _ in envs]   # user message of each turn (feedback + turn text)
-    replies: list[list[str]] = [[] for _ in envs]
+    reply_texts: list[list[str]] = [[] for _ in envs]  # each episode's replies so far, as text
     running: list[Segment | None] = [None] * len(envs)  # the growing sequence when context_turns == 0
     # Each episode's keys and values live across its turns, so a turn runs only its new tokens. A history window
     # (context_turns > 0) moves the start of the prompt every turn, which changes every later position: there
@@ -292,7 +303,7 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
         for i in live:
             user_msgs[i].append(("" if k == 1 else feedback_text(trajs[i].turns[-1])) +
                                 turn_text(k, obs[i], left[i], cfg))
-            msgs = window_messages(hdr[i], user_msgs[i], replies[i], cfg.context_turns)
+            msgs = window_messages(hdr[i], user_msgs[i], reply_texts[i], cfg.context_turns)
             if tokenizer is not None:
                 if cfg.context_turns == 0 and running[i] is not None:
                     # extend the sequence: template close was appended after the reply; now the next user turn
@@ -323,6 +334,8 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
         if agent is not None:
             texts = [scripted_reply(*agent(envs[i], left[i], cfg), cfg) for i in live]
             sampled = None if tokenizer is None else [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
+        elif replies is not None:
+            sampled = [list(replies[i][k - 1]) for i in live]
         else:
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):  # bf16 on CUDA (policy.py)
                 sampled, caches = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, generator,
@@ -330,7 +343,7 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
                                            dedupe=cfg.kv_cache)
             for j, i in enumerate(live):
                 past[i] = caches[j]
-            # a sampled end-of-turn token is not part of the reply's text: the chat template writes it
+        if agent is None:  # a sampled end-of-turn token is not part of the reply's text: the chat template writes it
             texts = [tokenizer.decode(s[:-1] if s[-1] == tokenizer.eos_token_id else s, skip_special_tokens=False)
                      for s in sampled]
         # --- parse, act, record
@@ -341,10 +354,11 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
             turn = act_turn(envs[i], reply, left[i], cfg, obs[i], n_tok)
             left[i] -= turn.valid  # unknown words cost no budget (deviation 3)
             obs[i] = envs[i].render()
-            replies[i].append(reply)
+            reply_texts[i].append(reply)
             trajs[i].turns.append(turn)
             trajs[i].success = trajs[i].success or turn.success
             if tokenizer is not None:
+                turn.tokens = list(sampled[j])
                 running[i].append(sampled[j], 1)
                 ended = sampled[j][-1:] == [tokenizer.eos_token_id] and tokenizer.eos_token  # it closed its turn
                 tail = close.removeprefix(tokenizer.eos_token) if ended else close
@@ -352,13 +366,15 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
                 if cfg.context_turns > 0:
                     trajs[i].segments.append(running[i])
             trajs[i].done = envs[i].done
-            if not envs[i].done and left[i] > 0:
+            if not envs[i].done and left[i] > 0 and (replies is None or k < len(replies[i])):
                 still.append(i)
             else:
                 past[i] = None  # the episode is over: free its cache
         live = still
     for i, t in enumerate(trajs):
-        t.messages = window_messages(hdr[i], user_msgs[i], replies[i], 0)
+        t.messages = window_messages(hdr[i], user_msgs[i], reply_texts[i], 0)
+        reached = getattr(envs[i], "reached_goal", None)
+        t.reached_goal = reached() if reached is not None and t.goal is None else None
         if tokenizer is not None and cfg.context_turns == 0 and running[i] is not None:
             t.segments = [running[i]]
     return trajs

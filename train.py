@@ -33,6 +33,10 @@ Deviations from the paper / RAGEN (deliberate):
 7. Under torchrun (distributed.py; RAGEN: verl + Ray) each rank rolls out P / W whole groups, then all is gathered:
    the filter, advantages and metrics run on the same data; rank r samples with seed + r * 2**40 (W changes them).
 8. Only rank 0 logs, evaluates, plots and writes checkpoints; `--resume` on several nodes needs a shared folder.
+9. `--hindsight` (off by default; neither the paper nor RAGEN has it): Hindsight Experience Replay (Andrychowicz
+   et al. 2017) as GRPO groups, for Sokoban. Each room's rollouts are replayed with the target moved to where one of
+   them left the box (loop-free turns only), and these groups join the batch unfiltered. The replies were sampled
+   under the real room and are trained as if under the relabelled one, without importance weights.
 """
 from __future__ import annotations
 
@@ -55,7 +59,7 @@ from advantages import (broadcast_to_tokens, gae, grpo_advantages, kl_penalized_
                         place_reward_on_last_token, whiten)
 from envs import ENVS, train_seeds
 from eval import ROLLOUT_KEYS, evaluate, saved_rollout_settings, summarize
-from filter import select_groups
+from filter import ZERO_STD, select_groups
 from rollout import RolloutConfig, Segment, default_reply_tokens, dump, rollout, trained_mask
 from starpo import (AGG_MODES, Batch, TokenLogprobs, UpdateConfig, make_optimizer, masked_mean, shared_prefix_len,
                     token_logprobs, update)
@@ -81,6 +85,8 @@ class Config:
                                   choices=sorted(PRESETS))
     filter: float = cli.flag(0.25, "fraction of prompt groups kept by in-group reward std (1.0 = off)", gt=0, hi=1)
     filter_smallest: bool = cli.flag(False, "keep the LOWEST-variance groups instead (the paper's ablation)")
+    hindsight: bool = cli.flag(False, "Sokoban: add one hindsight group per room, its N rollouts replayed with the "
+                                      "target moved to where one of them left the box (HER), all kept")
     kl_coef: float = cli.flag(0.0, "KL-to-initial-policy coefficient (paper StarPO: 0.001; 0 = KL removal, "
                                    "StarPO-S: KL is still measured)", lo=0)
     kl_kind: str = cli.flag("k3", "KL estimator: k1 (RAGEN's `kl`, the paper's runs) or k3 (low-variance)",
@@ -203,6 +209,81 @@ def iteration_rollouts(cfg: Config, it: int, policy, tok, rcfg: RolloutConfig, e
                     generator=gen, env_overrides=env_overrides,
                     samples=group_samples(cfg.group_noise, len(mine), cfg.rollouts))
     return dist.all_gather_objects(trajs)
+
+
+def loop_free_turns(env, traj) -> list[int]:
+    """The turns of `traj` on its shortest way through the states it visited: a turn that leads back to a state the
+    episode was in (a bump into a wall, a step back, a loop) is cut together with the turns in between. The actions
+    are stepped again on `env`; a cut episode still ends in the same state."""
+    env.reset(traj.seed)
+    states = [env.render()]
+    for turn in traj.turns:
+        for a in turn.actions:
+            if not env.done:
+                env.step(a)
+        states.append(env.render())
+    last = {s: k for k, s in enumerate(states)}
+    kept, k = [], 0
+    while k < len(traj.turns):
+        if last[states[k]] > k:
+            k = last[states[k]]  # skip the loop
+        else:
+            kept.append(k)
+            k += 1
+    return kept
+
+
+def hindsight_rollouts(cfg: Config, it: int, trajs: list, tok, rcfg: RolloutConfig, env_overrides: dict) -> list:
+    """Hindsight groups (Andrychowicz et al. 2017, "Hindsight Experience Replay", moved to GRPO groups): for each
+    room, one goal drawn from (seed, it) among the cells where its rollouts left the box, and all N rollouts of the
+    room replayed with the target there: their sampled replies, the loop-free turns only (a replay of bumps and
+    loops teaches nothing about reaching a goal), observations that show the new target, the env's rewards for it.
+    The rollout that reached the goal succeeds, so a room whose N rollouts all failed still yields a group with a
+    spread. Group ids follow the real ones (G + g). Replays are stepped, not sampled: no model runs."""
+    rng = np.random.default_rng([cfg.seed, it, 1])
+    sim = ENVS[cfg.env](**env_overrides)
+    seeds, gids, goals, replies = [], [], [], []
+    for g in range(cfg.groups):
+        group = trajs[g * cfg.rollouts:(g + 1) * cfg.rollouts]
+        reached = sorted({t.reached_goal for t in group if t.reached_goal is not None})
+        if not reached:  # no rollout moved the box off its start (or all solved the room itself)
+            continue
+        goal = reached[int(rng.integers(len(reached)))]
+        for t in group:
+            turns = loop_free_turns(sim, t) or [0]  # back where it began: its first turn keeps it in the group
+            seeds.append(t.seed)
+            gids.append(cfg.groups + g)
+            goals.append(goal)
+            replies.append([t.turns[k].tokens for k in turns])
+    if not seeds:
+        return []
+    return rollout(cfg.env, seeds, gids, rcfg, tokenizer=tok, replies=replies, goals=goals,
+                   env_overrides=env_overrides)
+
+
+def kept_trajectories(cfg: Config, it: int, trajs: list, tok, rcfg: RolloutConfig, env_overrides: dict):
+    """The StarPO-S filter (section 4.2): the groups with the largest in-group reward std, whole groups in or out;
+    with --hindsight, every hindsight group on top.
+    -> (kept trajectories, whether no group has a reward spread, metrics)."""
+    rewards = torch.tensor([t.reward for t in trajs]).view(cfg.groups, cfg.rollouts)  # [G, N]
+    keep, fstats = select_groups(rewards, keep=cfg.filter, largest=not cfg.filter_smallest)
+    m = {f"rollout/{k}": fstats[k] for k in ("in_group_std", "in_group_std_max", "chosen_in_group_std",
+                                             "filter_kept", "zero_std_groups")}
+    kept = [t for t in trajs if keep[t.group_id]]
+    no_spread = fstats["all_zero_std"]
+    if cfg.hindsight:
+        t0 = time.time()
+        hind = hindsight_rollouts(cfg, it, trajs, tok, rcfg, env_overrides)
+        m["time/hindsight"] = time.time() - t0
+        m["rollout/hindsight_groups"] = len(hind) // cfg.rollouts
+        m["rollout/hindsight_success"] = statistics.fmean(t.success for t in hind) if hind else 0.0
+        if hind:  # every hindsight group is kept: each has a success by construction, so the filter's reason
+            # to drop a group (no spread, no signal) does not apply, and its successes are the data it adds
+            kept += hind
+            std = torch.tensor([t.reward for t in hind]).view(-1, cfg.rollouts).std(dim=1)  # [H]
+            m["rollout/hindsight_in_group_std"] = std.mean().item()
+            no_spread = no_spread and bool((std <= ZERO_STD).all())
+    return kept, no_spread, m
 
 
 def evaluates(cfg: Config, it: int) -> bool:
@@ -401,6 +482,9 @@ def main(argv=None):
             return None
         cfg = derive(resume_config(cfg, explicit) if cfg.resume else inherit_rendering(cfg, explicit))
         out = Path(cfg.out) if cfg.resume else cli.run_folder(cfg.out, "--out", cfg.overwrite)
+        if cfg.hindsight and not hasattr(ENVS[cfg.env], "reached_goal"):
+            allowed = ", ".join(sorted(n for n, e in ENVS.items() if hasattr(e, "reached_goal")))
+            raise ValueError(f"--hindsight: only for {allowed} (this run: --env {cfg.env})")
         if cfg.webshop_data and cfg.env != "webshop":
             raise ValueError(f"--webshop-data {cfg.webshop_data}: only for --env webshop (this run: --env {cfg.env})")
         from policy import autocast_dtype, load_critic, load_policy, pick_device, set_cpu_threads
@@ -481,14 +565,12 @@ def main(argv=None):
             m.update({"rollout/reward_mean": s["reward"], "rollout/reward_std": rewards.std().item(),
                       "time/rollout": time.time() - t0})
 
-            # 2. StarPO-S uncertainty filter: whole groups in or out by in-group reward std
-            keep, fstats = select_groups(rewards, keep=cfg.filter, largest=not cfg.filter_smallest)
-            m.update({f"rollout/{k}": fstats[k] for k in ("in_group_std", "in_group_std_max", "chosen_in_group_std",
-                                                          "filter_kept", "zero_std_groups")})
-            kept = [t for t in trajs if keep[t.group_id]]
+            # 2. StarPO-S uncertainty filter: whole groups in or out by in-group reward std (+ hindsight groups)
+            kept, no_spread, fm = kept_trajectories(cfg, it, trajs, tok, train_rcfg, env_overrides)
+            m.update(fm)
             # With every group's rewards equal, GRPO's advantages are all 0: the update would be a silent no-op, so it
             # is skipped and logged. PPO's are R - V(s): its policy, entropy bonus and critic still learn.
-            skip = fstats["all_zero_std"] and cfg.algo == "grpo"
+            skip = no_spread and cfg.algo == "grpo"
             m["train/skipped_zero_std"] = float(skip)
 
             if not skip:

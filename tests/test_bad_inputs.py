@@ -95,6 +95,7 @@ CASES = [
     ("train", ["--out", "TMP/afile/run"], "is a file", None),
     ("train", ["--out", "RUN"], "--overwrite", "untouched"),
     ("train", ["--webshop-data", "TMP", "--env", "sokoban"], "--webshop-data", None),
+    ("train", ["--hindsight", "--env", "bandit"], "--hindsight: only for sokoban", None),
     ("train", ["--resume", "RUN", "--env", "sokoban"], "--env", "untouched"),
     ("train", ["--resume", "RUN", "--overwrite"], "--overwrite", "untouched"),
     ("train", ["--resume", "TMP/none"], "--resume", None),

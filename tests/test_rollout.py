@@ -413,3 +413,79 @@ def test_rollout_needs_exactly_one_of_model_or_agent(small):
         R.rollout("sokoban", [1], [0], R.RolloutConfig())
     with pytest.raises(ValueError, match="exactly one"):
         R.rollout("sokoban", [1], [0], R.RolloutConfig(), tokenizer=tok, model=model, agent=R.expert_agent())
+
+
+@pytest.mark.parametrize("context_turns", [0, 1])
+@pytest.mark.parametrize("source", ["model", "random agent"])
+def test_a_replay_resends_the_replies_and_a_goal_relabels_the_room(chaotic, context_turns, source):
+    """replies= re-sends each turn's token ids: with no goal the replay is the episode itself (ids, mask, rewards);
+    with the goal an episode reached (train.py --hindsight), that episode succeeds, ending where the box gets there."""
+    model, tok = chaotic
+    cfg = R.RolloutConfig(context_turns=context_turns, max_new_tokens=20)
+    seeds = list(range(2000, 2016))
+    how = dict(model=model, generator=torch.Generator().manual_seed(0)) if source == "model" else \
+        dict(agent=R.random_agent(random.Random(0)))
+    trajs = R.rollout("sokoban", seeds, list(range(16)), cfg, tokenizer=tok, **how)
+    replies = [[turn.tokens for turn in t.turns] for t in trajs]
+    same = R.rollout("sokoban", seeds, list(range(16)), cfg, tokenizer=tok, replies=replies)
+    for a, b in zip(trajs, same):
+        assert [s.input_ids for s in a.segments] == [s.input_ids for s in b.segments]
+        assert [s.loss_mask for s in a.segments] == [s.loss_mask for s in b.segments]
+        assert [t.reward for t in a.turns] == [t.reward for t in b.turns] and a.reached_goal == b.reached_goal
+    moved = [i for i, t in enumerate(trajs) if t.reached_goal is not None]
+    if source == "random agent":
+        assert len(moved) >= 4, "the random agent pushed too few boxes: pick other seeds"
+    for i in moved:
+        hind = R.rollout("sokoban", [seeds[i]], [0], cfg, tokenizer=tok, replies=[replies[i]],
+                         goals=[trajs[i].reached_goal])[0]
+        assert hind.success and hind.goal == trajs[i].reached_goal and hind.reached_goal is None
+        assert len(hind.turns) <= len(trajs[i].turns) and hind.turns[0].obs != trajs[i].turns[0].obs
+        for a, b in zip(hind.turns, trajs[i].turns):  # the same replies, the same moves tried
+            assert a.tokens == b.tokens and a.reply == b.reply and a.actions == b.actions[:len(a.actions)]
+        assert hind.turns[-1].reward > 9  # +10 for solving, on the turn that pushed the box there
+
+
+def test_rollout_needs_a_tokenizer_to_replay(small):
+    with pytest.raises(ValueError, match="exactly one"):
+        R.rollout("sokoban", [1], [0], R.RolloutConfig(), agent=R.expert_agent(), replies=[[[1]]])
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        R.rollout("sokoban", [1], [0], R.RolloutConfig(), replies=[[[1]]])
+
+
+def test_hindsight_groups_relabel_each_room_with_a_goal_one_of_its_rollouts_reached(small):
+    """train.py --hindsight: one group per room that saw a box move (ids G + g, N members, the room's seed), its goal
+    one its rollouts reached, at least one replay succeeding; each replay re-sends a loop-free subset of its rollout's
+    turns (no state visited twice, the same final state)."""
+    import train
+    _, tok = small
+    cfg = train.derive(train.Config(env="sokoban", prompts=8, rollouts=4, hindsight=True, think=False,
+                                    context_turns=1, max_turns=10, max_actions_per_turn=1))
+    rcfg = train.rollout_config(cfg, 1.0)
+    seeds = [5000 + g for g in range(8) for _ in range(4)]
+    trajs = R.rollout("sokoban", seeds, [g for g in range(8) for _ in range(4)], rcfg, tokenizer=tok,
+                      agent=R.random_agent(random.Random(1)))
+    hind = train.hindsight_rollouts(cfg, 3, trajs, tok, rcfg, {})
+    assert [s.input_ids for t in hind for s in t.segments] == \
+        [s.input_ids for t in train.hindsight_rollouts(cfg, 3, trajs, tok, rcfg, {}) for s in t.segments]
+    moved = {g for g in range(8) if any(t.reached_goal for t in trajs[4 * g:4 * g + 4])}
+    assert len(moved) >= 4 and {t.group_id - 8 for t in hind} == moved and len(hind) == 4 * len(moved)
+    env = make_env("sokoban")
+    for g in moved:
+        group, src = hind[4 * sorted(moved).index(g):][:4], trajs[4 * g:4 * g + 4]
+        assert {t.goal for t in group} <= {t.reached_goal for t in src} and any(t.success for t in group)
+        for h, t in zip(group, src):
+            assert h.seed == t.seed == 5000 + g and h.goal is not None
+            kept = train.loop_free_turns(env, t)
+            assert [x.tokens for x in h.turns] == [t.turns[k].tokens for k in (kept or [0])][:len(h.turns)]
+            env.reset(t.seed)
+            states = [env.render()]
+            for k in kept:
+                for a in t.turns[k].actions:
+                    env.step(a)
+                states.append(env.render())
+            assert len(set(states)) == len(states)  # no state twice on the loop-free path
+            env.reset(t.seed)
+            for turn in t.turns:
+                for a in turn.actions:
+                    env.step(a)
+            assert env.render() == states[-1]  # it ends where the rollout ended
