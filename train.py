@@ -59,7 +59,7 @@ from advantages import (broadcast_to_tokens, gae, grpo_advantages, kl_penalized_
                         place_reward_on_last_token, whiten)
 from envs import ENVS, train_seeds
 from eval import ROLLOUT_KEYS, evaluate, saved_rollout_settings, summarize
-from filter import ZERO_STD, select_groups
+from filter import select_groups
 from rollout import RolloutConfig, Segment, default_reply_tokens, dump, rollout, trained_mask
 from starpo import (AGG_MODES, Batch, TokenLogprobs, UpdateConfig, make_optimizer, masked_mean, shared_prefix_len,
                     token_logprobs, update)
@@ -280,9 +280,9 @@ def kept_trajectories(cfg: Config, it: int, trajs: list, tok, rcfg: RolloutConfi
         if hind:  # every hindsight group is kept: each has a success by construction, so the filter's reason
             # to drop a group (no spread, no signal) does not apply, and its successes are the data it adds
             kept += hind
-            std = torch.tensor([t.reward for t in hind]).view(-1, cfg.rollouts).std(dim=1)  # [H]
-            m["rollout/hindsight_in_group_std"] = std.mean().item()
-            no_spread = no_spread and bool((std <= ZERO_STD).all())
+            _, hstats = select_groups(torch.tensor([t.reward for t in hind]).view(-1, cfg.rollouts), keep=1.0)
+            m["rollout/hindsight_in_group_std"] = hstats["in_group_std"]
+            no_spread = no_spread and hstats["all_zero_std"]
     return kept, no_spread, m
 
 

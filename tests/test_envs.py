@@ -366,7 +366,7 @@ def test_sokoban_hindsight_goal_is_where_the_boxes_were_left(name):
             obs, _, done, _ = env.step(moves[-1])
             if done:
                 break
-        walls, targets, boxes, player, shape = parse_sokoban(obs, legend)
+        boxes = parse_sokoban(obs, legend)[2]
         goal = env.reached_goal()
         if done or boxes == parse_sokoban(start, legend)[2]:
             assert goal is None
@@ -377,7 +377,7 @@ def test_sokoban_hindsight_goal_is_where_the_boxes_were_left(name):
         w0, t0, b0, p0, _ = parse_sokoban(start, legend)
         w1, t1, b1, p1, _ = parse_sokoban(new, legend)
         assert (w1, b1, p1) == (w0, b0, p0) and t1 == set(boxes)
-        for k, word in enumerate(moves):
+        for word in moves:
             _, reward, done, info = env.step(word)
             if done:
                 break
