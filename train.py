@@ -9,7 +9,8 @@
 One loop, top to bottom: sample P prompts (fresh training seeds, never eval seeds; x online_k) x N rollouts ->
 keep the prompt groups with the largest in-group reward std (StarPO-S, section 4.2) -> the batch: values and
 advantages (GRPO: group-normalised; PPO: GAE with the critic), old and reference log-probs where a pass needs
-them -> `ppo_epochs` passes of mini-batch updates -> one JSONL line + one printed line -> eval and checkpoint.
+them -> `ppo_epochs` passes of mini-batch updates (-> hindsight imitation, deviation 10) -> one JSONL line + one
+printed line -> eval and checkpoint.
 
 The Echo Trap monitor (section 4.1) watches the paper's four signals: it warns when the in-group reward std
 stays below 0.1x its early level for 10 iterations, when the grad norm jumps above 5x its running median, and
@@ -21,8 +22,10 @@ The paper's runs, one flag each: `--preset starpo` / `starpo-s`, `--no-response-
 Deviations from the paper / RAGEN (deliberate):
 1. All randomness of iteration i (training seeds, sampling, mini-batch order) derives from (seed, i), so
    `--resume` reproduces an uninterrupted run without saving generator states.
-2. `--model tiny` has its own defaults (steps, learning rates, eval prompts), sized for a 2-core CPU; every
-   other model gets the paper's.
+2. `--model tiny` has its own defaults (steps, learning rates, eval prompts), sized for a 2-core CPU, and on Sokoban
+   without a preset its own rendering and batch: one move per turn, no thought, a one-turn window, 32 rooms x 4
+   rollouts, with hindsight imitation (deviation 10); a folder trained from it keeps its own rendering and the
+   paper's batch. Every other model, and `--preset starpo(-s)`, gets the paper's.
 3. Only needed passes run, on the kept groups only: no old log-probs when the kept rows are one optimizer step
    (ratio exactly 1); without a KL term the reference only on eval iterations, for `train/kl_to_init` (verl: all).
 4. The default trains only the sampled tokens (`--response-mask`, RAGEN's later default); the paper's runs
@@ -37,6 +40,11 @@ Deviations from the paper / RAGEN (deliberate):
    et al. 2017) as GRPO groups, for Sokoban. Each room's rollouts are replayed with the target moved to where one of
    them left the box (loop-free turns only), and these groups join the batch unfiltered. The replies were sampled
    under the real room and are trained as if under the relabelled one, without importance weights.
+10. `--hindsight-imitation K` (neither the paper nor RAGEN has it; on by default only for the tiny policy on
+   Sokoban): GCSL (Ghosh et al. 2019) beside the RL update. Each rollout that moved the box is relabelled as a
+   success with the target where it left the box (loop-free turns, replies re-rendered as RAGEN does), and K passes
+   of supervised learning on them follow the update, on their own AdamW (lr 1e-3). From the tiny prior, GRPO alone
+   does not learn Sokoban on a CPU; with this term the main command does (docs/experiments.md section 0).
 """
 from __future__ import annotations
 
@@ -60,20 +68,30 @@ from advantages import (broadcast_to_tokens, gae, grpo_advantages, kl_penalized_
 from envs import ENVS, train_seeds
 from eval import ROLLOUT_KEYS, evaluate, saved_rollout_settings, summarize
 from filter import select_groups
-from rollout import RolloutConfig, Segment, default_reply_tokens, dump, rollout, trained_mask
+from rollout import (RolloutConfig, Segment, default_reply_tokens, dump, rollout, scripted_reply,
+                     trained_mask)
 from starpo import (AGG_MODES, Batch, TokenLogprobs, UpdateConfig, make_optimizer, masked_mean, shared_prefix_len,
                     token_logprobs, update)
 
-PRESETS = {  # the paper's two recipes (section 4.2, Appendix C.2/D); flags typed explicitly win. StarPO's KL is
-    # RAGEN's: k1 (`kl`), in the token rewards for PPO (apply_kl_penalty), a loss term for GRPO (see derive)
-    "starpo": dict(filter=1.0, kl_coef=0.001, kl_kind="k1", clip_low=0.2, clip_high=0.2),
-    "starpo-s": dict(filter=0.25, kl_coef=0.0, clip_low=0.2, clip_high=0.28),
+# The paper's rendering and batch (section 3.3, Appendix C.2): the defaults of every model and environment but one
+PAPER_DEFAULTS = dict(think=True, context_turns=0, max_turns=5, max_actions_per_turn=5, prompts=8, rollouts=16,
+                      hindsight_imitation=0)
+PRESETS = {  # the paper's two recipes (section 4.2, Appendix C.2/D), rendering and batch included; flags typed
+    # explicitly win. StarPO's KL is RAGEN's: k1 (`kl`), in the token rewards for PPO (apply_kl_penalty), a loss
+    # term for GRPO (see derive)
+    "starpo": dict(filter=1.0, kl_coef=0.001, kl_kind="k1", clip_low=0.2, clip_high=0.2, **PAPER_DEFAULTS),
+    "starpo-s": dict(filter=0.25, kl_coef=0.0, clip_low=0.2, clip_high=0.28, **PAPER_DEFAULTS),
 }
 # Per-model defaults for fields left at None. Qwen: the paper's (Appendix C.2). tiny: what trains on a CPU.
 MODEL_DEFAULTS = {
     "tiny": dict(lr=1e-4, critic_lr=1e-3, steps=30, eval_prompts=128),
     "hf": dict(lr=1e-6, critic_lr=1e-5, steps=200, eval_prompts=256),
 }
+# the embedded tiny prior on Sokoban without a preset, where the paper's recipe does not learn on a CPU
+# (docs/experiments.md section 0):
+# one move per turn, no thought, a one-turn window, 32 rooms x 4 rollouts, and GCSL's hindsight imitation.
+TINY_SOKOBAN_DEFAULTS = dict(think=False, context_turns=1, max_turns=10, max_actions_per_turn=1, prompts=32,
+                             rollouts=4, hindsight_imitation=3, eval_prompts=256)
 
 
 @dataclass
@@ -87,6 +105,11 @@ class Config:
     filter_smallest: bool = cli.flag(False, "keep the LOWEST-variance groups instead (the paper's ablation)")
     hindsight: bool = cli.flag(False, "Sokoban: add one hindsight group per room, its N rollouts replayed with the "
                                       "target moved to where one of them left the box (HER), all kept")
+    hindsight_imitation: int | None = cli.flag(None, "Sokoban: after each update, this many passes of supervised "
+                                                     "imitation over the iteration's rollouts, each relabelled as a "
+                                                     "success with the target where it left the box (GCSL); 0 = off "
+                                                     "(default: 3 for the embedded tiny policy, else 0)", lo=0)
+    imitation_lr: float = cli.flag(1e-3, "learning rate of the hindsight imitation (its own AdamW)", gt=0)
     kl_coef: float = cli.flag(0.0, "KL-to-initial-policy coefficient (paper StarPO: 0.001; 0 = KL removal, "
                                    "StarPO-S: KL is still measured)", lo=0)
     kl_kind: str = cli.flag("k3", "KL estimator: k1 (RAGEN's `kl`, the paper's runs) or k3 (low-variance)",
@@ -97,10 +120,11 @@ class Config:
     clip_low: float = cli.flag(0.2, "PPO clip eps_low", lo=0, lt=1)
     clip_high: float = cli.flag(0.28, "PPO clip eps_high (Clip-Higher; StarPO: 0.2)", lo=0)
     entropy_coef: float = cli.flag(0.001, "entropy bonus coefficient", lo=0)
-    prompts: int = cli.flag(8, "P: prompts (initial states) per iteration", lo=1)
-    rollouts: int = cli.flag(16, "N: rollouts per prompt (a group)", lo=2)
-    max_turns: int = cli.flag(5, "turns per episode", lo=1)
-    max_actions_per_turn: int = cli.flag(5, "actions per turn", lo=1)
+    prompts: int | None = cli.flag(None, "P: prompts (initial states) per iteration (default: 8; tiny on Sokoban 32)",
+                                   lo=1)
+    rollouts: int | None = cli.flag(None, "N: rollouts per prompt, a group (default: 16; tiny on Sokoban 4)", lo=2)
+    max_turns: int | None = cli.flag(None, "turns per episode (default: 5; tiny on Sokoban 10)", lo=1)
+    max_actions_per_turn: int | None = cli.flag(None, "actions per turn (default: 5; tiny on Sokoban 1)", lo=1)
     max_actions: int = cli.flag(10, "actions per episode", lo=1)
     max_new_tokens: int | None = cli.flag(None, "token budget per reply (default: tiny 100; hub models RAGEN's "
                                                 "400, 500 on bandit)", lo=1)
@@ -121,11 +145,14 @@ class Config:
                                            "sequence first (seq-mean-token-mean = the paper's 1/|tau| form)",
                              choices=list(AGG_MODES))
     temperature: float = cli.flag(1.0, "rollout sampling temperature", gt=0)
-    think: bool = cli.flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
-    context_turns: int = cli.flag(0, "history window: 0 = whole conversation (paper), K = last K turns", lo=0)
+    think: bool | None = cli.flag(None, "<think>...</think> before <answer> (--no-think: answer only; default: on, "
+                                        "tiny on Sokoban off)")
+    context_turns: int | None = cli.flag(None, "history window: 0 = whole conversation (paper), K = last K turns "
+                                               "(default: 0; tiny on Sokoban 1)", lo=0)
     steps: int | None = cli.flag(None, "training iterations (default: tiny 30, hub models 200)", lo=1)
     eval_every: int = cli.flag(10, "evaluate every this many iterations (0 = only at the end)", lo=0)
-    eval_prompts: int | None = cli.flag(None, "eval prompts, <= 256 (default: tiny 128, hub models 256)", lo=1, hi=256)
+    eval_prompts: int | None = cli.flag(None, "eval prompts, <= 256 (default: tiny 128, on Sokoban 256; hub models "
+                                              "256)", lo=1, hi=256)
     eval_temperature: float = cli.flag(0.5, "eval sampling temperature (paper: 0.5)", lo=0)
     save_every: int = cli.flag(10, "checkpoint every this many iterations (0 = none, only final/)", lo=0)
     dump_trajectories: int = cli.flag(3, "trajectories written as text at each eval", lo=0)
@@ -153,7 +180,11 @@ def derive(cfg: Config) -> Config:
     """Per-model defaults, sizes that follow from the flags, and one-line errors for bad values."""
     from policy import model_kind
     kind = model_kind(cfg.model)  # tiny-sized folders get the tiny defaults too
-    cli.fill_defaults(cfg, {**MODEL_DEFAULTS[kind], "max_new_tokens": default_reply_tokens(kind, cfg.env),
+    # the embedded prior only: a trained folder (an SFT policy) keeps the paper's batch; a preset asks for the paper
+    tiny_sokoban = TINY_SOKOBAN_DEFAULTS if cfg.model == "tiny" and hasattr(ENVS[cfg.env], "reached_goal") and \
+        cfg.preset is None else {}
+    cli.fill_defaults(cfg, {**PAPER_DEFAULTS, **MODEL_DEFAULTS[kind], **tiny_sokoban,
+                            "max_new_tokens": default_reply_tokens(kind, cfg.env),
                             "kl_in_reward": cfg.preset == "starpo" and cfg.algo == "ppo"})
     cli.check(cli.bounds(cfg) + [(not (cfg.kl_in_reward and cfg.algo == "grpo"), "--kl-in-reward: PPO only (GRPO "
                                   "has no token rewards; its KL is a loss term, RAGEN's kl_loss_type)")])
@@ -259,6 +290,60 @@ def hindsight_rollouts(cfg: Config, it: int, trajs: list, tok, rcfg: RolloutConf
         return []
     return rollout(cfg.env, seeds, gids, rcfg, tokenizer=tok, replies=replies, goals=goals,
                    env_overrides=env_overrides)
+
+
+def hindsight_demos(cfg: Config, trajs: list, tok, rcfg: RolloutConfig, env_overrides: dict) -> list:
+    """GCSL's data (Ghosh et al. 2019, "Learning to Reach Goals via Iterated Supervised Learning"): every rollout that
+    moved the box is a demonstration of reaching where it left the box. It is replayed in its own room with the target
+    moved there (a rollout that solved the room keeps its target): its loop-free turns only, each reply re-rendered
+    from its parsed parts as RAGEN's ctx_manager does (`scripted_reply`: the thought with --think, the actions in the
+    answer format). Every demo succeeds by construction; no model runs."""
+    def rendered(turn) -> list[int]:
+        thought = turn.reply.split("</think>")[0].removeprefix("<think>").strip() if rcfg.think else ""
+        return tok(scripted_reply(turn.actions, thought, rcfg), add_special_tokens=False).input_ids
+
+    sim = ENVS[cfg.env](**env_overrides)
+    seeds, goals, replies = [], [], []
+    for t in trajs:
+        if t.reached_goal is None and not t.success:  # the box never moved, or ended where it began
+            continue
+        turns = loop_free_turns(sim, t)
+        if not turns:
+            continue
+        seeds.append(t.seed)
+        goals.append(None if t.success else t.reached_goal)
+        replies.append([rendered(t.turns[k]) for k in turns])
+    if not seeds:
+        return []
+    demos = rollout(cfg.env, seeds, list(range(len(seeds))), rcfg, tokenizer=tok, replies=replies, goals=goals,
+                    env_overrides=env_overrides)
+    return [d for d in demos if d.success]
+
+
+def imitate(cfg: Config, it: int, demos: list, policy, opt, ucfg: UpdateConfig, pad_id: int, device, amp) -> dict:
+    """`hindsight_imitation` passes of supervised learning on the demos' replies: each mini-batch is one `update`
+    with advantage 1 on every trained token and the ratio exactly 1 (no old log-probs), whose gradient is that of
+    the mean negative log-likelihood, -grad log p: no clip, no entropy bonus, no KL. -> metrics."""
+    from policy import pad_segments
+    rows = [Segment(s.input_ids, trained_mask(s, cfg.response_mask)) for d in demos for s in d.segments]
+    m = {"imitation/demos": float(len(demos)), "imitation/rows": float(len(rows)), "imitation/optimizer_steps": 0.0}
+    if not rows:
+        return m
+    ids, attn, mask = pad_segments(rows, pad_id)  # [B, T] each
+    data = Batch(input_ids=ids, attention_mask=attn, loss_mask=mask, advantages=mask.float(),
+                 prefix_len=shared_prefix_len([r.input_ids for r in rows]))
+    icfg = replace(ucfg, entropy_coef=0.0, kl_coef=0.0)
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it * 101 + 77)
+    entropies = []
+    for _ in range(cfg.hindsight_imitation):
+        perm = torch.randperm(len(rows), generator=gen)
+        for start in range(0, len(rows), ucfg.mini_batch):
+            um = update(policy, opt, data.select(perm[start:start + ucfg.mini_batch]), icfg, generator=gen,
+                        autocast_dtype=amp, shard=(dist.rank(), dist.world_size()))
+            m["imitation/optimizer_steps"] += um["train/optimizer_steps"]
+            entropies.append(um["train/entropy"])
+    m["imitation/entropy"] = statistics.fmean(entropies)  # of the demos' tokens, before each step
+    return m
 
 
 def kept_trajectories(cfg: Config, it: int, trajs: list, tok, rcfg: RolloutConfig, env_overrides: dict):
@@ -405,6 +490,7 @@ def resume_config(cfg: Config, explicit: set[str]) -> Config:
         raise ValueError(f"--resume keeps the run's own config; it cannot change "
                          f"{', '.join('--' + k.replace('_', '-') for k in ignored)} (allowed with --resume: "
                          f"--steps, --device, --threads)")
+    saved.setdefault("hindsight_imitation", 0)  # a run saved before the flag existed ran without it
     return Config(**{**saved, **{k: getattr(cfg, k) for k in explicit}, "out": cfg.resume})
 
 
@@ -440,7 +526,7 @@ def read_metrics(path: Path, upto: int) -> list[str]:
     return kept
 
 
-def save_checkpoint(out: Path, step: int, policy, tok, critic, opt, critic_opt, monitor, cfg: Config):
+def save_checkpoint(out: Path, step: int, policy, tok, critic, opt, critic_opt, imit_opt, monitor, cfg: Config):
     """Write ckpt-STEP/ completely, then point `latest` at it atomically (temp file + rename)."""
     final = out / f"ckpt-{step:06d}"
     tmp = out / f".tmp-ckpt-{step:06d}"
@@ -448,6 +534,8 @@ def save_checkpoint(out: Path, step: int, policy, tok, critic, opt, critic_opt, 
     policy.save_pretrained(tmp / "policy")
     tok.save_pretrained(tmp / "policy")
     state = {"step": step, "opt": opt.state_dict(), "monitor": asdict(monitor)}
+    if imit_opt is not None:
+        state["imit_opt"] = imit_opt.state_dict()
     if critic is not None:
         critic.save_pretrained(str(tmp / "critic"))
         state["critic_opt"] = critic_opt.state_dict()
@@ -482,9 +570,12 @@ def main(argv=None):
             return None
         cfg = derive(resume_config(cfg, explicit) if cfg.resume else inherit_rendering(cfg, explicit))
         out = Path(cfg.out) if cfg.resume else cli.run_folder(cfg.out, "--out", cfg.overwrite)
+        allowed = ", ".join(sorted(n for n, e in ENVS.items() if hasattr(e, "reached_goal")))
         if cfg.hindsight and not hasattr(ENVS[cfg.env], "reached_goal"):
-            allowed = ", ".join(sorted(n for n, e in ENVS.items() if hasattr(e, "reached_goal")))
             raise ValueError(f"--hindsight: only for {allowed} (this run: --env {cfg.env})")
+        if cfg.hindsight_imitation and not hasattr(ENVS[cfg.env], "reached_goal"):
+            raise ValueError(f"--hindsight-imitation {cfg.hindsight_imitation}: only for {allowed} (this run: --env "
+                             f"{cfg.env}; 0 turns it off)")
         if cfg.webshop_data and cfg.env != "webshop":
             raise ValueError(f"--webshop-data {cfg.webshop_data}: only for --env webshop (this run: --env {cfg.env})")
         from policy import autocast_dtype, load_critic, load_policy, pick_device, set_cpu_threads
@@ -513,11 +604,16 @@ def main(argv=None):
     amp = autocast_dtype(device)
     opt = make_optimizer(policy, cfg.lr)
     critic_opt = make_optimizer(critic, cfg.critic_lr) if critic is not None else None
+    # the imitation's own AdamW: a supervised step wants ~10x the RL step (betas as sft_baseline.py's tiny default)
+    imit_opt = make_optimizer(policy, cfg.imitation_lr, weight_decay=0.0, betas=(0.9, 0.95)) \
+        if cfg.hindsight_imitation else None
     monitor = EchoMonitor(**state["monitor"]) if found else EchoMonitor()
     if found:
         opt.load_state_dict(state["opt"])
         if critic is not None:
             critic_opt.load_state_dict(state["critic_opt"])
+        if imit_opt is not None:
+            imit_opt.load_state_dict(state["imit_opt"])
     ucfg = UpdateConfig(mini_batch=cfg.mini_batch, micro_batch=cfg.micro_batch, clip_low=cfg.clip_low,
                         clip_high=cfg.clip_high, entropy_coef=cfg.entropy_coef, agg=cfg.loss_agg,
                         kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef,  # in the rewards instead: measured only
@@ -601,6 +697,16 @@ def main(argv=None):
             elif dist.is_main():
                 tqdm.write(f"[iter {it + 1}] every group has zero reward std: update skipped (logged)")
 
+            # 4b. hindsight imitation (GCSL): every rollout that moved the box, as a success at where it left it
+            if cfg.hindsight_imitation and not diverged:
+                t4 = time.time()
+                demos = hindsight_demos(cfg, trajs, tok, train_rcfg, env_overrides)
+                policy.train()
+                m.update(imitate(cfg, it, demos, train_policy, imit_opt, ucfg, tok.pad_token_id, device, amp))
+                m["time/imitation"] = time.time() - t4
+                if not bool(torch.stack([torch.isfinite(p).all() for p in policy.parameters()]).all()):
+                    diverged = "the hindsight imitation made the policy's weights non-finite"
+
             # 5. Echo Trap monitor, eval, checkpoint, log: rank 0 only (its metrics are the global ones)
             if dist.is_main():
                 warnings = echo_check(monitor, m)
@@ -626,7 +732,7 @@ def main(argv=None):
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(m) + "\n")
                 if cfg.save_every and ((it + 1) % cfg.save_every == 0 or last) and not diverged:
-                    save_checkpoint(out, it + 1, policy, tok, critic, opt, critic_opt, monitor, cfg)
+                    save_checkpoint(out, it + 1, policy, tok, critic, opt, critic_opt, imit_opt, monitor, cfg)
                     saved_at = it + 1
                 tqdm.write(line(m))
             if diverged:

@@ -96,6 +96,7 @@ CASES = [
     ("train", ["--out", "RUN"], "--overwrite", "untouched"),
     ("train", ["--webshop-data", "TMP", "--env", "sokoban"], "--webshop-data", None),
     ("train", ["--hindsight", "--env", "bandit"], "--hindsight: only for sokoban", None),
+    ("train", ["--hindsight-imitation", "2", "--env", "bandit"], "--hindsight-imitation 2: only for sokoban", None),
     ("train", ["--resume", "RUN", "--env", "sokoban"], "--env", "untouched"),
     ("train", ["--resume", "RUN", "--overwrite"], "--overwrite", "untouched"),
     ("train", ["--resume", "TMP/none"], "--resume", None),

@@ -489,3 +489,77 @@ def test_hindsight_groups_relabel_each_room_with_a_goal_one_of_its_rollouts_reac
                 for a in turn.actions:
                     env.step(a)
             assert env.render() == states[-1]  # it ends where the rollout ended
+
+
+def test_hindsight_demos_replay_each_moving_rollout_as_a_success_with_rendered_replies(small):
+    """train.py --hindsight-imitation's data (GCSL): one demo per rollout that moved the box or solved the room, in its
+    own room with the target where it left the box (a solved room keeps its own), every demo a success; its replies
+    are the loop-free turns' actions rendered as RAGEN re-renders a parsed reply, one training row per turn."""
+    import train
+    _, tok = small
+    cfg = train.derive(train.Config(env="sokoban"))
+    rcfg = train.rollout_config(cfg, 1.0)
+    seeds = [6000 + g for g in range(8) for _ in range(4)]
+    trajs = R.rollout("sokoban", seeds, [g for g in range(8) for _ in range(4)], rcfg, tokenizer=tok,
+                      agent=R.random_agent(random.Random(2)))
+    demos = train.hindsight_demos(cfg, trajs, tok, rcfg, {})
+    env = make_env("sokoban")
+    sources = [t for t in trajs if (t.reached_goal is not None or t.success) and train.loop_free_turns(env, t)]
+    assert len(demos) == len(sources) >= 10 and all(d.success for d in demos)
+    for d, t in zip(demos, sources):
+        assert d.seed == t.seed and d.goal == (None if t.success else t.reached_goal)
+        kept = train.loop_free_turns(env, t)
+        rendered = [R.scripted_reply(t.turns[k].actions, "", rcfg) for k in kept]
+        assert [turn.tokens for turn in d.turns] == \
+            [tok(r, add_special_tokens=False).input_ids for r in rendered][:len(d.turns)]
+        assert len(d.segments) == len(d.turns)  # a one-turn window: one row per turn
+
+
+def test_imitate_takes_the_supervised_step(small):
+    """Hindsight imitation is supervised learning: one mini-batch, plain SGD and no clipping move the weights by
+    exactly -lr x the gradient of the token-mean negative log-likelihood of the demos' replies."""
+    import train
+    from starpo import UpdateConfig
+    model, tok = copy.deepcopy(small[0]), small[1]
+    cfg = train.derive(train.Config(env="sokoban", hindsight_imitation=1))
+    rcfg = train.rollout_config(cfg, 1.0)
+    trajs = R.rollout("sokoban", [7000, 7001, 7002], [0, 1, 2], rcfg, tokenizer=tok,
+                      agent=R.random_agent(random.Random(0)))
+    demos = train.hindsight_demos(cfg, trajs, tok, rcfg, {})
+    rows = [s for d in demos for s in d.segments]
+    assert 0 < len(rows) <= 64
+    ref = copy.deepcopy(model).float()
+    ids, attn, mask = policy.pad_segments(rows, tok.pad_token_id)
+    logits = ref(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    ((nll * mask[:, 1:]).sum() / mask[:, 1:].sum()).backward()
+    model.train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    m = train.imitate(cfg, 0, demos, model, opt, UpdateConfig(mini_batch=64, max_grad_norm=1e9), tok.pad_token_id,
+                      torch.device("cpu"), None)
+    assert m["imitation/optimizer_steps"] == 1 and m["imitation/rows"] == len(rows)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        before = dict(small[0].named_parameters())[name]
+        torch.testing.assert_close(p - before, -0.1 * q.grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_a_run_with_hindsight_imitation_resumes_as_if_uninterrupted(small, tmp_path):
+    """The imitation's optimizer is checkpointed: 2 iterations, then --resume to 3, log what 3 uninterrupted log."""
+    import json
+    import train
+    model, tok = small
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    common = ["--env", "sokoban", "--model", str(tmp_path / "m"), "--hindsight-imitation", "2", "--no-think",
+              "--context-turns", "1", "--max-turns", "6", "--max-actions-per-turn", "1", "--prompts", "8",
+              "--rollouts", "2", "--filter", "0.5", "--lr", "1e-3", "--eval-every", "0", "--eval-prompts", "4",
+              "--save-every", "1", "--dump-trajectories", "0"]
+    train.main(common + ["--steps", "3", "--out", str(tmp_path / "a")])
+    train.main(common + ["--steps", "2", "--out", str(tmp_path / "b")])
+    train.main(["--resume", str(tmp_path / "b"), "--steps", "3"])
+    a, b = ([json.loads(x) for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()] for r in "ab")
+    assert [r["step"] for r in b] == [1, 2, 3] and all(r["imitation/optimizer_steps"] > 0 for r in a)
+    for ra, rb in zip(a, b):
+        for k, v in ra.items():
+            if not k.startswith("time/"):
+                assert rb[k] == pytest.approx(v, rel=1e-6, abs=1e-9), (ra["step"], k)

@@ -116,10 +116,25 @@ def test_presets_and_explicit_flags():
     cfg, _ = cli.parse(train.Config, ["--preset", "starpo", "--clip-high", "0.3"], presets=train.PRESETS)
     assert cfg.clip_high == 0.3 and cfg.filter == 1.0
     cfg = train.derive(cli.parse(train.Config, [], presets=train.PRESETS)[0])
-    assert (cfg.filter, cfg.kl_coef, cfg.clip_low, cfg.clip_high, cfg.groups_kept) == (0.25, 0.0, 0.2, 0.28, 2)
+    assert (cfg.filter, cfg.kl_coef, cfg.clip_low, cfg.clip_high, cfg.groups_kept) == (0.25, 0.0, 0.2, 0.28, 8)
     assert cfg.lr == train.MODEL_DEFAULTS["tiny"]["lr"]
     cfg = train.derive(cli.parse(train.Config, ["--model", "Qwen/Qwen2.5-0.5B-Instruct"])[0])
     assert (cfg.lr, cfg.critic_lr) == (1e-6, 1e-5)
+
+
+def test_the_tiny_policy_on_sokoban_has_its_own_rendering_and_batch_every_other_case_the_papers():
+    import cli
+    parse = lambda args: train.derive(cli.parse(train.Config, args, presets=train.PRESETS)[0])  # noqa: E731
+    keys = ("think", "context_turns", "max_turns", "max_actions_per_turn", "prompts", "rollouts",
+            "hindsight_imitation", "steps", "eval_prompts")
+    get = lambda c: tuple(getattr(c, k) for k in keys)  # noqa: E731
+    assert get(parse([])) == (False, 1, 10, 1, 32, 4, 3, 30, 256) == get(parse(["--env", "sokoban-large"]))
+    assert get(parse(["--env", "bandit"])) == (True, 0, 5, 5, 8, 16, 0, 30, 128)
+    assert get(parse(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])) == (True, 0, 5, 5, 8, 16, 0, 200, 256)
+    typed = parse(["--think", "--prompts", "8", "--rollouts", "16", "--hindsight-imitation", "0", "--steps", "9"])
+    assert get(typed)[:1] + get(typed)[4:8] == (True, 8, 16, 0, 9)
+    assert get(parse(["--preset", "starpo-s"])) == (True, 0, 5, 5, 8, 16, 0, 30, 128)  # the paper's recipe, all of it
+    assert get(parse(["--preset", "starpo", "--max-turns", "10"]))[2] == 10
 
 
 def test_a_trained_model_folder_lends_its_rendering_unless_a_flag_is_typed(tmp_path, capsys):
@@ -132,7 +147,7 @@ def test_a_trained_model_folder_lends_its_rendering_unless_a_flag_is_typed(tmp_p
     assert "rollout settings of" in capsys.readouterr().out
     cfg = parse(["--model", str(tmp_path), "--context-turns", "0", "--think"])
     assert (cfg.context_turns, cfg.think, cfg.max_new_tokens) == (0, True, 60)
-    assert parse([]).context_turns == 0  # the embedded policy has no saved settings
+    assert parse([]).context_turns is None  # the embedded policy has no saved settings: derive's defaults
 
 
 def test_plot_writes_png(bandit_tiny, tmp_path):
