@@ -1,7 +1,7 @@
 """Tests for rollout.py and sampler.py: the parser and turn rules, the loss mask, batched vs one-at-a-time sampling,
 history windows, stopping, the scripted agents and the dump.
 
-Run from the repository root:  python -m pytest -q tests/test_rollout.py   (about 15 s on one core)
+Run from the repository root:  python -m pytest -q tests/test_rollout.py   (about 45 s on one core)
 
 Model-driven tests use a SMALL tiny policy (2 envs, ~80k parameters, seconds to build), cached for the session in
 pytest's temporary folder; its replies are a mix of well-formed and broken ones, which is what these tests need.
