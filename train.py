@@ -43,7 +43,7 @@ Deviations from the paper / RAGEN (deliberate):
 10. `--hindsight-imitation K` (neither the paper nor RAGEN has it; on by default only for the tiny policy on
    Sokoban): GCSL (Ghosh et al. 2019) beside the RL update. Each rollout that moved the box is relabelled as a
    success with the target where it left the box (loop-free turns, replies re-rendered as RAGEN does), and K passes
-   of supervised learning on them follow the update, on their own AdamW (lr 1e-3). From the tiny prior, GRPO alone
+   of supervised learning on them follow the update, on their own AdamW (lr 5e-4). From the tiny prior, GRPO alone
    does not learn Sokoban on a CPU; with this term the main command does (docs/experiments.md section 0).
 """
 from __future__ import annotations
@@ -109,7 +109,7 @@ class Config:
                                                      "imitation over the iteration's rollouts, each relabelled as a "
                                                      "success with the target where it left the box (GCSL); 0 = off "
                                                      "(default: 3 for the embedded tiny policy, else 0)", lo=0)
-    imitation_lr: float = cli.flag(1e-3, "learning rate of the hindsight imitation (its own AdamW)", gt=0)
+    imitation_lr: float = cli.flag(5e-4, "learning rate of the hindsight imitation (its own AdamW)", gt=0)
     kl_coef: float = cli.flag(0.0, "KL-to-initial-policy coefficient (paper StarPO: 0.001; 0 = KL removal, "
                                    "StarPO-S: KL is still measured)", lo=0)
     kl_kind: str = cli.flag("k3", "KL estimator: k1 (RAGEN's `kl`, the paper's runs) or k3 (low-variance)",
@@ -604,7 +604,7 @@ def main(argv=None):
     amp = autocast_dtype(device)
     opt = make_optimizer(policy, cfg.lr)
     critic_opt = make_optimizer(critic, cfg.critic_lr) if critic is not None else None
-    # the imitation's own AdamW: a supervised step wants ~10x the RL step (betas as sft_baseline.py's tiny default)
+    # the imitation's own AdamW: a supervised step wants ~5x the RL step (betas as sft_baseline.py's tiny default)
     imit_opt = make_optimizer(policy, cfg.imitation_lr, weight_decay=0.0, betas=(0.9, 0.95)) \
         if cfg.hindsight_imitation else None
     monitor = EchoMonitor(**state["monitor"]) if found else EchoMonitor()
