@@ -371,6 +371,11 @@ def kept_trajectories(cfg: Config, it: int, trajs: list, tok, rcfg: RolloutConfi
     return kept, no_spread, m
 
 
+def weights_finite(policy) -> bool:
+    """Whether every weight of the policy is finite (one host sync, after a phase that stepped an optimizer)."""
+    return bool(torch.stack([torch.isfinite(p).all() for p in policy.parameters()]).all())
+
+
 def evaluates(cfg: Config, it: int) -> bool:
     """Whether iteration `it` (0-based) ends with an eval: every eval_every iterations and the last one."""
     return bool(cfg.eval_every and (it + 1) % cfg.eval_every == 0) or it + 1 == cfg.steps
@@ -692,7 +697,7 @@ def main(argv=None):
                 m["train/rows"] = len(batch)
                 m["time/update"] = time.time() - t2
                 # an update that makes the weights non-finite (e.g. a far too high --lr) ends the run, logged first
-                if not bool(torch.stack([torch.isfinite(p).all() for p in policy.parameters()]).all()):
+                if not weights_finite(policy):
                     diverged = "the update made the policy's weights non-finite"
             elif dist.is_main():
                 tqdm.write(f"[iter {it + 1}] every group has zero reward std: update skipped (logged)")
@@ -704,7 +709,7 @@ def main(argv=None):
                 policy.train()
                 m.update(imitate(cfg, it, demos, train_policy, imit_opt, ucfg, tok.pad_token_id, device, amp))
                 m["time/imitation"] = time.time() - t4
-                if not bool(torch.stack([torch.isfinite(p).all() for p in policy.parameters()]).all()):
+                if not weights_finite(policy):
                     diverged = "the hindsight imitation made the policy's weights non-finite"
 
             # 5. Echo Trap monitor, eval, checkpoint, log: rank 0 only (its metrics are the global ones)
