@@ -28,7 +28,7 @@ Deliberate deviations from the paper or RAGEN's code:
    fewest-moves BFS plan; FrozenLake, the most likely to ever reach the goal, ties by the 0.9-discounted value.
 9. `describe()` says where things are ("player at 3 5, box at 4 4, target at 5 3"; rows, columns from 1): the SFT
    expert's thought starts with it (`expert_note()`), Sokoban's adds its plan's next push and where
-   it stands to push (docs/sft.md).
+   it stands to push (docs/sft.md); Sokoban's `note(moves)` says the same of any moves (a hindsight demo's thought).
 """
 from __future__ import annotations
 
@@ -397,22 +397,32 @@ class SokobanEnv(_TextEnv):
     def expert_note(self) -> str:
         """The start of the expert's thought: where things are, then the next push of its plan and the cell it
         pushes from ("player at 3 5, box at 4 4, target at 5 3. I push the box Left: I go to 4 5"; deviation 9)."""
+        return self._note(self._expert_plan() or [])
+
+    def note(self, moves: list[str]) -> str:
+        """The same words for any moves from here: where things are, then the first push those moves make and the
+        cell it is pushed from (the thought of a hindsight demo, train.py `hindsight_demos`). Unknown words and
+        bumps push nothing."""
+        self._require_live("note()")
+        return self._note([i for i in map(self._parse, moves) if i is not None])
+
+    def _note(self, plan: list[int]) -> str:
         cell, note = self._cell, self.describe()
-        push = self._next_push()
+        push = self._first_push(plan)
         if push is not None:
             a, stand, box = push
             which = f" at {cell(box)}" if len(self._boxes) > 1 else ""  # several boxes: name the one pushed
             note += f". I push the box{which} {self.actions[a]}: I go to {cell(stand)}"
         return note
 
-    def _next_push(self):
-        """(action, the player's cell before it, the box's cell) of the first push in the expert's plan, or None."""
+    def _first_push(self, plan: list[int]):
+        """(action, the player's cell before it, the box's cell) of the first move in `plan` that moves a box."""
         player, boxes = self._player, self._boxes
-        for a in self._expert_plan() or []:
-            ahead = player + self._offsets[a]
-            if ahead in boxes:
-                return a, player, ahead
-            player, boxes = self._move(player, boxes, a)
+        for a in plan:
+            nxt = self._move(player, boxes, a)
+            if nxt[1] != boxes:
+                return a, player, player + self._offsets[a]
+            player, boxes = nxt
         return None
 
     def _expert_plan(self) -> list[int] | None:

@@ -42,7 +42,8 @@ Deviations from the paper / RAGEN (deliberate):
    under the real room and are trained as if under the relabelled one, without importance weights.
 10. `--hindsight-imitation K` (neither the paper nor RAGEN has it; on by default only for the tiny policy on
    Sokoban): GCSL (Ghosh et al. 2019) beside the RL update. Each rollout that moved the box is relabelled as a
-   success with the target where it left the box (loop-free turns, replies re-rendered as RAGEN does), and K passes
+   success with the target where it left the box (loop-free turns, replies re-rendered as RAGEN does; with --think
+   the thought rewritten in the expert's words, true of the relabelled room and the demo's moves), and K passes
    of supervised learning on them follow the update, on their own AdamW (lr 5e-4). From the tiny prior, GRPO alone
    does not learn Sokoban on a CPU; with this term the main command does (docs/experiments.md section 0).
 """
@@ -292,16 +293,31 @@ def hindsight_rollouts(cfg: Config, it: int, trajs: list, tok, rcfg: RolloutConf
                    env_overrides=env_overrides)
 
 
+def demo_thoughts(sim, seed: int, goal, moves: list[list[str]]) -> list[str]:
+    """With --think, each demo turn's thought in the expert's words (`expert_agent`), true of the replayed room: where
+    things are with the target moved to `goal`, the first push the demo's moves make from there (`env.note`), the
+    turn's moves. The sampled thought cannot stay: it read the original target, and a reading learned against a
+    board that shows another one is a misreading. -> one thought per turn the replay plays."""
+    sim.reset(seed)
+    if goal is not None:
+        sim.set_goal(goal)
+    thoughts = []
+    for j, turn in enumerate(moves):
+        if sim.done:  # the relabelled target was reached on the way: the replay ends here
+            break
+        thoughts.append(sim.note([a for m in moves[j:] for a in m]) + ". I pick my moves: " + ", ".join(turn) + ".")
+        for a in turn:
+            if not sim.done:
+                sim.step(a)
+    return thoughts
+
+
 def hindsight_demos(cfg: Config, trajs: list, tok, rcfg: RolloutConfig, env_overrides: dict) -> list:
     """GCSL's data (Ghosh et al. 2019, "Learning to Reach Goals via Iterated Supervised Learning"): every rollout that
     moved the box is a demonstration of reaching where it left the box. It is replayed in its own room with the target
     moved there (a rollout that solved the room keeps its target): its loop-free turns only, each reply re-rendered
-    from its parsed parts as RAGEN's ctx_manager does (`scripted_reply`: the thought with --think, the actions in the
-    answer format). Every demo succeeds by construction; no model runs."""
-    def rendered(turn) -> list[int]:
-        thought = turn.reply.split("</think>")[0].removeprefix("<think>").strip() if rcfg.think else ""
-        return tok(scripted_reply(turn.actions, thought, rcfg), add_special_tokens=False).input_ids
-
+    from its parsed actions as RAGEN's ctx_manager does (`scripted_reply`, the answer format), with --think after a
+    thought true of the replayed room (`demo_thoughts`). Every demo succeeds by construction; no model runs."""
     sim = ENVS[cfg.env](**env_overrides)
     seeds, goals, replies = [], [], []
     for t in trajs:
@@ -310,9 +326,13 @@ def hindsight_demos(cfg: Config, trajs: list, tok, rcfg: RolloutConfig, env_over
         turns = loop_free_turns(sim, t)
         if not turns:
             continue
+        goal = None if t.success else t.reached_goal
+        moves = [t.turns[k].actions for k in turns]
+        thoughts = demo_thoughts(sim, t.seed, goal, moves) if rcfg.think else [""] * len(moves)
         seeds.append(t.seed)
-        goals.append(None if t.success else t.reached_goal)
-        replies.append([rendered(t.turns[k]) for k in turns])
+        goals.append(goal)
+        replies.append([tok(scripted_reply(m, th, rcfg), add_special_tokens=False).input_ids
+                        for m, th in zip(moves, thoughts)])
     if not seeds:
         return []
     demos = rollout(cfg.env, seeds, list(range(len(seeds))), rcfg, tokenizer=tok, replies=replies, goals=goals,

@@ -515,6 +515,47 @@ def test_hindsight_demos_replay_each_moving_rollout_as_a_success_with_rendered_r
         assert len(d.segments) == len(d.turns)  # a one-turn window: one row per turn
 
 
+def test_hindsight_demos_with_think_say_what_the_relabelled_board_shows(small):
+    """With --think a demo's thought is rewritten in the expert's words and is true of the replayed room: where the
+    player and box are and the target where the rollout left the box, the first push of the demo's moves from
+    there, the turn's moves. The sampled thought read the original target, so keeping it would teach a misreading."""
+    import train
+    _, tok = small
+    cfg = train.derive(train.Config(env="sokoban", think=True))
+    rcfg = train.rollout_config(cfg, 1.0)
+    seeds = [6100 + g for g in range(8) for _ in range(4)]
+    trajs = R.rollout("sokoban", seeds, [g for g in range(8) for _ in range(4)], rcfg, tokenizer=tok,
+                      agent=R.random_agent(random.Random(3)))
+    demos = train.hindsight_demos(cfg, trajs, tok, rcfg, {})
+    relabelled = [d for d in demos if d.goal is not None]
+    assert len(relabelled) >= 5 and all(d.success for d in demos)
+    env = make_env("sokoban")
+    for d in demos:
+        env.reset(d.seed)
+        if d.goal is not None:
+            env.set_goal(d.goal)
+        for turn in d.turns:
+            thought = turn.reply.split("</think>")[0].removeprefix("<think>").strip()
+            assert thought.startswith(env.describe() + ".")
+            if d.goal is not None:
+                assert f"target at {d.goal[0] // env.size + 1} {d.goal[0] % env.size + 1}" in thought
+            assert thought.endswith("I pick my moves: " + ", ".join(turn.actions) + ".")
+            for a in turn.actions:
+                if not env.done:
+                    env.step(a)
+        assert env.done  # the replay solves the relabelled room
+
+
+def test_sokoban_note_names_the_first_push_of_any_moves():
+    """`note(moves)` says where things are, then the first of the moves that pushes the box (bumps and steps first
+    are skipped); on the expert's own plan it is `expert_note()`."""
+    env = make_env("sokoban")
+    env.reset(1234)  # player at 4 5, box at 4 4, a wall above the box's left
+    assert env.note(["Up", "Left", "Down", "Left"]) == env.describe() + ". I push the box Left: I go to 4 5"
+    assert env.note(["Up", "Down"]) == env.describe()  # no push
+    assert env.note(["Left"]) == env.expert_note()
+
+
 def test_imitate_takes_the_supervised_step(small):
     """Hindsight imitation is supervised learning: one mini-batch, plain SGD and no clipping move the weights by
     exactly -lr x the gradient of the token-mean negative log-likelihood of the demos' replies."""
