@@ -44,8 +44,10 @@ Deviations from the paper / RAGEN (deliberate):
    Sokoban): GCSL (Ghosh et al. 2019) beside the RL update. Each rollout that moved the box is relabelled as a
    success with the target where it left the box (loop-free turns, replies re-rendered as RAGEN does; with --think
    the thought rewritten in the expert's words, true of the relabelled room and the demo's moves), and K passes
-   of supervised learning on them follow the update, on their own AdamW (lr 5e-4). From the tiny prior, GRPO alone
-   does not learn Sokoban on a CPU; with this term the main command does (docs/experiments.md section 0).
+   of supervised learning on them follow the update, on their own AdamW (lr 5e-4). `--imitation-demos best` learns
+   instead from each room's shortest solved rollout, unrelabelled (expert iteration, Anthony et al. 2017). From the
+   tiny prior, GRPO alone does not learn Sokoban on a CPU; with this term the main command does (docs/experiments.md
+   section 0).
 """
 from __future__ import annotations
 
@@ -110,6 +112,9 @@ class Config:
                                                      "imitation over the iteration's rollouts, each relabelled as a "
                                                      "success with the target where it left the box (GCSL); 0 = off "
                                                      "(default: 3 for the embedded tiny policy, else 0)", lo=0)
+    imitation_demos: str = cli.flag("hindsight", "what the imitation learns from: hindsight (every moving rollout, "
+                                    "relabelled) or best (each room's shortest solved rollout)",
+                                    choices=["hindsight", "best"])
     imitation_lr: float = cli.flag(5e-4, "learning rate of the hindsight imitation (its own AdamW)", gt=0)
     kl_coef: float = cli.flag(0.0, "KL-to-initial-policy coefficient (paper StarPO: 0.001; 0 = KL removal, "
                                    "StarPO-S: KL is still measured)", lo=0)
@@ -319,6 +324,13 @@ def hindsight_demos(cfg: Config, trajs: list, tok, rcfg: RolloutConfig, env_over
     from its parsed actions as RAGEN's ctx_manager does (`scripted_reply`, the answer format), with --think after a
     thought true of the replayed room (`demo_thoughts`). Every demo succeeds by construction; no model runs."""
     sim = ENVS[cfg.env](**env_overrides)
+    if cfg.imitation_demos == "best":
+        best = {}
+        for t in trajs:
+            n = sum(len(turn.actions) for turn in t.turns)
+            if t.success and (t.group_id not in best or n < best[t.group_id][0]):
+                best[t.group_id] = (n, t)
+        trajs = [t for _, t in best.values()]
     seeds, goals, replies = [], [], []
     for t in trajs:
         if t.reached_goal is None and not t.success:  # the box never moved, or ended where it began
@@ -515,6 +527,7 @@ def resume_config(cfg: Config, explicit: set[str]) -> Config:
         raise ValueError(f"--resume keeps the run's own config; it cannot change "
                          f"{', '.join('--' + k.replace('_', '-') for k in ignored)} (allowed with --resume: "
                          f"--steps, --device, --threads)")
+    saved.setdefault("imitation_demos", "hindsight")
     saved.setdefault("hindsight_imitation", 0)  # a run saved before the flag existed ran without it
     return Config(**{**saved, **{k: getattr(cfg, k) for k in explicit}, "out": cfg.resume})
 
@@ -601,6 +614,9 @@ def main(argv=None):
         if cfg.hindsight_imitation and not hasattr(ENVS[cfg.env], "reached_goal"):
             raise ValueError(f"--hindsight-imitation {cfg.hindsight_imitation}: only for {allowed} (this run: --env "
                              f"{cfg.env}; 0 turns it off)")
+        if cfg.imitation_demos != "hindsight" and not cfg.hindsight_imitation:
+            raise ValueError(f"--imitation-demos {cfg.imitation_demos}: the demos of --hindsight-imitation K, which is 0 "
+                             f"in this run (give K >= 1)")
         if cfg.webshop_data and cfg.env != "webshop":
             raise ValueError(f"--webshop-data {cfg.webshop_data}: only for --env webshop (this run: --env {cfg.env})")
         from policy import autocast_dtype, load_critic, load_policy, pick_device, set_cpu_threads

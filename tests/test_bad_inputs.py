@@ -97,6 +97,7 @@ CASES = [
     ("train", ["--webshop-data", "TMP", "--env", "sokoban"], "--webshop-data", None),
     ("train", ["--hindsight", "--env", "bandit"], "--hindsight: only for sokoban", None),
     ("train", ["--hindsight-imitation", "2", "--env", "bandit"], "--hindsight-imitation 2: only for sokoban", None),
+    ("train", ["--hindsight-imitation", "0", "--imitation-demos", "best"], "--imitation-demos best: the demos", None),
     ("train", ["--resume", "RUN", "--env", "sokoban"], "--env", "untouched"),
     ("train", ["--resume", "RUN", "--overwrite"], "--overwrite", "untouched"),
     ("train", ["--resume", "TMP/none"], "--resume", None),

@@ -546,6 +546,39 @@ def test_hindsight_demos_with_think_say_what_the_relabelled_board_shows(small):
         assert env.done  # the replay solves the relabelled room
 
 
+def test_imitation_demos_best_keeps_each_rooms_shortest_solved_rollout(small):
+    """--imitation-demos best (expert iteration / rejection sampling): one demo per room that some rollout solved,
+    that of the fewest actions (the first of equals), in its own room, its loop-free turns; no relabelling."""
+    import train
+    _, tok = small
+    cfg = train.derive(train.Config(env="sokoban", imitation_demos="best"))
+    rcfg = train.rollout_config(cfg, 1.0)
+    rng = random.Random(13)
+
+    def noisy_expert(env, actions_left, cfg):  # solves some rooms, in more or fewer moves
+        return [env.expert_action() if rng.random() < 0.35 else rng.choice(env.actions)], ""
+
+    groups = [6200 + g for g in range(10)]
+    trajs = R.rollout("sokoban", [s for s in groups for _ in range(4)], [g for g in range(10) for _ in range(4)],
+                      rcfg, tokenizer=tok, agent=noisy_expert)
+    n_actions = [sum(len(turn.actions) for turn in t.turns) for t in trajs]
+    want = {}
+    for t, n in zip(trajs, n_actions):
+        if t.success and (t.group_id not in want or n < want[t.group_id][0]):
+            want[t.group_id] = (n, t)
+    assert 2 <= len(want) < 10  # some rooms solved, some not: the test tells the two apart
+    env = make_env("sokoban")
+
+    def moves(t):
+        return [t.turns[k].actions for k in train.loop_free_turns(env, t)]
+    assert any(len({str(moves(t)) for t in trajs if t.group_id == g and t.success}) > 1 for g in want)  # a choice
+    demos = train.hindsight_demos(cfg, trajs, tok, rcfg, {})
+    assert [d.seed for d in demos] == [t.seed for _, t in want.values()]
+    for d, (_, t) in zip(demos, want.values()):
+        assert d.goal is None and d.success
+        assert [turn.actions for turn in d.turns] == moves(t)
+
+
 def test_sokoban_note_names_the_first_push_of_any_moves():
     """`note(moves)` says where things are, then the first of the moves that pushes the box (bumps and steps first
     are skipped); on the expert's own plan it is `expert_note()`."""
