@@ -322,7 +322,9 @@ def hindsight_demos(cfg: Config, trajs: list, tok, rcfg: RolloutConfig, env_over
     moved the box is a demonstration of reaching where it left the box. It is replayed in its own room with the target
     moved there (a rollout that solved the room keeps its target): its loop-free turns only, each reply re-rendered
     from its parsed actions as RAGEN's ctx_manager does (`scripted_reply`, the answer format), with --think after a
-    thought true of the replayed room (`demo_thoughts`). Every demo succeeds by construction; no model runs."""
+    thought true of the replayed room (`demo_thoughts`). Every demo succeeds by construction; no model runs.
+    `--imitation-demos best`: only each room's solved rollout of the fewest actions, in its own room (expert iteration,
+    Anthony et al. 2017: the best of N samples is a better policy than one sample)."""
     sim = ENVS[cfg.env](**env_overrides)
     if cfg.imitation_demos == "best":
         best = {}
@@ -739,6 +741,7 @@ def main(argv=None):
                 tqdm.write(f"[iter {it + 1}] every group has zero reward std: update skipped (logged)")
 
             # 4b. hindsight imitation (GCSL): every rollout that moved the box, as a success at where it left it
+            # (--imitation-demos best: each room's shortest solved rollout)
             if cfg.hindsight_imitation and not diverged:
                 t4 = time.time()
                 demos = hindsight_demos(cfg, trajs, tok, train_rcfg, env_overrides)
