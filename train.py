@@ -329,10 +329,9 @@ def hindsight_demos(cfg: Config, trajs: list, tok, rcfg: RolloutConfig, env_over
     if cfg.imitation_demos == "best":
         best = {}
         for t in trajs:
-            n = sum(len(turn.actions) for turn in t.turns)
-            if t.success and (t.group_id not in best or n < best[t.group_id][0]):
-                best[t.group_id] = (n, t)
-        trajs = [t for _, t in best.values()]
+            if t.success and (t.group_id not in best or t.num_actions < best[t.group_id].num_actions):
+                best[t.group_id] = t
+        trajs = list(best.values())
     seeds, goals, replies = [], [], []
     for t in trajs:
         if t.reached_goal is None and not t.success:  # the box never moved, or ended where it began
