@@ -248,14 +248,19 @@ def random_agent(rng: random.Random):
     return act
 
 
+def expert_thought(note: str, moves: list[str]) -> str:
+    """The expert's words for a turn: the note (where things are, its next push), then the turn's moves. The SFT data
+    speaks them, and so does a hindsight demo (train.py `demo_thoughts`)."""
+    return (note + ". " if note else "") + "I pick my moves: " + ", ".join(moves) + "."
+
+
 def expert_agent(actions_per_turn: int = 1):
     """The env's optimal policy; several actions per turn are planned on a copy of the env. Its truthful thought:
     the env's `expert_note()` where it has one (envs.py deviation 9), then the plan."""
     def act(env, actions_left: int, cfg: RolloutConfig) -> tuple[list[str], str]:
         k = max(1, min(actions_per_turn, cfg.max_actions_per_turn, actions_left))
         plan = plan_on_copy(env, k, lambda sim: sim.expert_action())
-        note = env.expert_note() + ". " if hasattr(env, "expert_note") else ""
-        return plan, note + "I pick my moves: " + ", ".join(plan) + "."
+        return plan, expert_thought(env.expert_note() if hasattr(env, "expert_note") else "", plan)
     return act
 
 

@@ -71,7 +71,7 @@ from advantages import (broadcast_to_tokens, gae, grpo_advantages, kl_penalized_
 from envs import ENVS, train_seeds
 from eval import ROLLOUT_KEYS, evaluate, saved_rollout_settings, summarize
 from filter import select_groups
-from rollout import (RolloutConfig, Segment, default_reply_tokens, dump, rollout, scripted_reply,
+from rollout import (RolloutConfig, Segment, default_reply_tokens, dump, expert_thought, rollout, scripted_reply,
                      trained_mask)
 from starpo import (AGG_MODES, Batch, TokenLogprobs, UpdateConfig, make_optimizer, masked_mean, shared_prefix_len,
                     token_logprobs, update)
@@ -310,7 +310,7 @@ def demo_thoughts(sim, seed: int, goal, moves: list[list[str]]) -> list[str]:
     for j, turn in enumerate(moves):
         if sim.done:  # the relabelled target was reached on the way: the replay ends here
             break
-        thoughts.append(sim.note([a for m in moves[j:] for a in m]) + ". I pick my moves: " + ", ".join(turn) + ".")
+        thoughts.append(expert_thought(sim.note([a for m in moves[j:] for a in m]), turn))
         for a in turn:
             if not sim.done:
                 sim.step(a)
@@ -616,8 +616,8 @@ def main(argv=None):
             raise ValueError(f"--hindsight-imitation {cfg.hindsight_imitation}: only for {allowed} (this run: --env "
                              f"{cfg.env}; 0 turns it off)")
         if cfg.imitation_demos != "hindsight" and not cfg.hindsight_imitation:
-            raise ValueError(f"--imitation-demos {cfg.imitation_demos}: the demos of --hindsight-imitation K, which is 0 "
-                             f"in this run (give K >= 1)")
+            raise ValueError(f"--imitation-demos {cfg.imitation_demos}: the demos of --hindsight-imitation K, which is "
+                             f"0 in this run (give K >= 1)")
         if cfg.webshop_data and cfg.env != "webshop":
             raise ValueError(f"--webshop-data {cfg.webshop_data}: only for --env webshop (this run: --env {cfg.env})")
         from policy import autocast_dtype, load_critic, load_policy, pick_device, set_cpu_threads
