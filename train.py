@@ -22,10 +22,11 @@ The paper's runs, one flag each: `--preset starpo` / `starpo-s`, `--no-response-
 Deviations from the paper / RAGEN (deliberate):
 1. All randomness of iteration i (training seeds, sampling, mini-batch order) derives from (seed, i), so
    `--resume` reproduces an uninterrupted run without saving generator states.
-2. `--model tiny` has its own defaults (steps, learning rates, eval prompts), sized for a 2-core CPU, and on Sokoban
-   without a preset its own rendering and batch: one move per turn, no thought, a one-turn window, 32 rooms x 4
-   rollouts, with hindsight imitation (deviation 10); a folder trained from it keeps its own rendering and the
-   paper's batch. Every other model, and `--preset starpo(-s)`, gets the paper's.
+2. `--model tiny` (and a tiny-sized folder) has its own defaults (steps, learning rates, eval prompts, micro-batches
+   of 16), sized for a 2-core CPU, and on Sokoban without a preset its own rendering and batch: one move per turn,
+   no thought, a one-turn window, 32 rooms x 4 rollouts, with hindsight imitation (deviation 10); a folder trained
+   from it keeps its own rendering and the paper's batch. Every other model, and `--preset starpo(-s)`, gets the
+   paper's.
 3. Only needed passes run, on the kept groups only: no old log-probs when the kept rows are one optimizer step
    (ratio exactly 1); without a KL term the reference only on eval iterations, for `train/kl_to_init` (verl: all).
 4. The default trains only the sampled tokens (`--response-mask`, RAGEN's later default); the paper's runs
@@ -87,8 +88,8 @@ PRESETS = {  # the paper's two recipes (section 4.2, Appendix C.2/D), rendering 
 }
 # Per-model defaults for fields left at None. Qwen: the paper's (Appendix C.2). tiny: what trains on a CPU.
 MODEL_DEFAULTS = {
-    "tiny": dict(lr=1e-4, critic_lr=1e-3, steps=30, eval_prompts=128),
-    "hf": dict(lr=1e-6, critic_lr=1e-5, steps=200, eval_prompts=256),
+    "tiny": dict(lr=1e-4, critic_lr=1e-3, steps=30, eval_prompts=128, micro_batch=16),
+    "hf": dict(lr=1e-6, critic_lr=1e-5, steps=200, eval_prompts=256, micro_batch=4),
 }
 # the embedded tiny prior on Sokoban without a preset, where the paper's recipe does not learn on a CPU
 # (docs/experiments.md section 0):
@@ -139,7 +140,8 @@ class Config:
     lam: float = cli.flag(1.0, "GAE lambda (PPO)", lo=0, hi=1)
     grpo_std_norm: bool = cli.flag(True, "GRPO divides by the group std (off: Dr.GRPO's mean-only)")
     mini_batch: int = cli.flag(32, "training sequences per optimizer step", lo=1)
-    micro_batch: int = cli.flag(4, "training sequences per forward/backward (gradient accumulation)", lo=1)
+    micro_batch: int | None = cli.flag(None, "training sequences per forward/backward (gradient accumulation; "
+                                             "default: 4, tiny 16)", lo=1)
     ppo_epochs: int = cli.flag(1, "passes over each rollout batch (the paper's runs: 1)", lo=1)
     online_k: int = cli.flag(1, "RAGEN's Online-k (paper Figure 7): roll out k x P prompts at once and use each "
                                 "trajectory once, over k times the optimizer steps (paper: 1)", lo=1)

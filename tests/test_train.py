@@ -117,9 +117,10 @@ def test_presets_and_explicit_flags():
     assert cfg.clip_high == 0.3 and cfg.filter == 1.0
     cfg = train.derive(cli.parse(train.Config, [], presets=train.PRESETS)[0])
     assert (cfg.filter, cfg.kl_coef, cfg.clip_low, cfg.clip_high, cfg.groups_kept) == (0.25, 0.0, 0.2, 0.28, 8)
-    assert cfg.lr == train.MODEL_DEFAULTS["tiny"]["lr"]
+    assert cfg.lr == train.MODEL_DEFAULTS["tiny"]["lr"] and cfg.micro_batch == 16
+    assert train.derive(cli.parse(train.Config, ["--micro-batch", "2"])[0]).micro_batch == 2
     cfg = train.derive(cli.parse(train.Config, ["--model", "Qwen/Qwen2.5-0.5B-Instruct"])[0])
-    assert (cfg.lr, cfg.critic_lr) == (1e-6, 1e-5)
+    assert (cfg.lr, cfg.critic_lr, cfg.micro_batch) == (1e-6, 1e-5, 4)
 
 
 def test_the_tiny_policy_on_sokoban_has_its_own_rendering_and_batch_every_other_case_the_papers():
