@@ -41,7 +41,9 @@ def init(device: torch.device) -> torch.device:
         # interpreter's shutdown, where one still releasing a finished collective's tensors must take the GIL
         # and aborts the process ("terminate called without an active exception": measured ~1 torchrun exit
         # in 40, a core dump showed it). Imported first, the defaults are None.
-        import torch.distributed.nn  # noqa: F401
+        # (`import torch.distributed.nn` here would make `torch` a local name of this whole function, unbound
+        # where the CUDA branch above reads it; the alias binds only `_functional`.)
+        import torch.distributed.nn as _functional  # noqa: F401
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=30),
                                 device_id=device if device.type == "cuda" else None)
     return device

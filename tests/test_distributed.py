@@ -49,6 +49,19 @@ def test_micro_batches_match_across_ranks_and_cover_every_row_once():
         assert micro_batches(n, 2) == [list(range(n))[s:s + 2] for s in range(0, n, 2)]  # one process: as before
 
 
+def test_init_on_cuda_takes_the_local_rank_device_and_nccl(monkeypatch):
+    """The CUDA branch of init() without a GPU: torch's calls recorded, not made (a one-GPU machine cannot run
+    two NCCL ranks, so this path is otherwise only exercised on several GPUs)."""
+    calls = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
+    monkeypatch.setattr(dist.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw["device_id"])))
+    assert dist.init(torch.device("cuda")) == torch.device("cuda", 1)
+    assert calls == [("set_device", torch.device("cuda", 1)), ("nccl", torch.device("cuda", 1))]
+
+
 # ------------------------------------------------------------------------------------------- spawned workers
 
 def tiny_models(seed: int):
@@ -177,7 +190,7 @@ def worker(rank: int, port: int, out: str):
         import train
         err = io.StringIO()
         with redirect_stderr(err), pytest.raises(SystemExit):
-            train.main(["--prompts", "3", "--out", str(Path(out) / "never")])
+            train.main(["--prompts", "3", "--device", "cpu", "--out", str(Path(out) / "never")])
         assert "--prompts 3: must be divisible by the number of processes (2)" in err.getvalue()
         if rank == 0:
             Path(out, "results.json").write_text(json.dumps(results, indent=1))
@@ -214,7 +227,9 @@ def rows(path):
 def test_torchrun_train_same_weights_on_both_ranks_and_resume(bandit_tiny, tmp_path):
     from policy import load_critic, load_policy
     # PPO (a DDP critic too), a 1-turn window (several rows per trajectory, uneven shares), mini-batches of 5
-    common = ["--env", "bandit", "--no-think", "--model", bandit_tiny, "--lr", "1e-3", "--critic-lr", "1e-3",
+    # --device cpu: gloo, as the file says; on a one-GPU machine two NCCL ranks would share (and fail on) cuda:0
+    common = ["--env", "bandit", "--no-think", "--model", bandit_tiny, "--device", "cpu",
+              "--lr", "1e-3", "--critic-lr", "1e-3",
               "--algo", "ppo", "--context-turns", "1", "--prompts", "4", "--rollouts", "4", "--filter", "0.5",
               "--mini-batch", "5", "--micro-batch", "2", "--eval-every", "0", "--eval-prompts", "4",
               "--save-every", "1"]
