@@ -636,7 +636,9 @@ def main(argv=None):
     except (ValueError, argparse.ArgumentTypeError) as e:
         cli.fail(f"--prior-temperatures {args.prior_temperatures}: {e}" if isinstance(e, argparse.ArgumentTypeError)
                  else str(e))
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)  # the CPU side of every section, whatever the device
+    from policy import setup_device
+    setup_device(torch.device(args.device), args.threads)
     results = {}
     for name in args.sections or list(SECTIONS):
         results[name] = SECTIONS[name](args)

@@ -169,9 +169,9 @@ def main(argv=None):
         ])
         if cfg.json:
             cli.writable_file(cfg.json, "--json")
-        from policy import load_policy, pick_device, set_cpu_threads
+        from policy import load_policy, pick_device, setup_device
         device = pick_device(cfg.device)
-        set_cpu_threads(device, cfg.threads)
+        setup_device(device, cfg.threads)
         model = tok = path = None
         if cfg.policy not in SCRIPTED:
             folder = policy_folder(cfg.policy)

@@ -286,12 +286,12 @@ def main(argv=None):
     try:
         cfg = derive(cli.parse(Config, argv, description=__doc__.split("\n")[0])[0])
         out = cli.run_folder(cfg.out, "--out", cfg.overwrite)
-        from policy import autocast_dtype, pick_device, set_cpu_threads
+        from policy import autocast_dtype, pick_device, setup_device
 
         # ---- model (+ LoRA), optimizer
         t_start = time.time()
         device = pick_device(cfg.device)
-        set_cpu_threads(device, cfg.threads)
+        setup_device(device, cfg.threads)
         policy, tok, path, env_overrides = load_model_and_env(cfg, device)
     except ValueError as e:
         cli.fail(str(e))

@@ -622,7 +622,7 @@ def main(argv=None):
                              f"0 in this run (give K >= 1)")
         if cfg.webshop_data and cfg.env != "webshop":
             raise ValueError(f"--webshop-data {cfg.webshop_data}: only for --env webshop (this run: --env {cfg.env})")
-        from policy import autocast_dtype, load_critic, load_policy, pick_device, set_cpu_threads
+        from policy import autocast_dtype, load_critic, load_policy, pick_device, setup_device
 
         # ---- processes: one under plain python; under torchrun one per GPU/CPU share, all with the whole model
         # ---- model, reference, critic, optimizers, and the checkpoint to resume from: every input is read here
@@ -631,7 +631,7 @@ def main(argv=None):
             k = f" x --online-k {cfg.online_k}" if cfg.online_k > 1 else ""
             raise ValueError(f"--prompts {cfg.prompts}{k}: must be divisible by the number of processes "
                              f"({dist.world_size()}); a prompt group never splits across processes")
-        set_cpu_threads(device, cfg.threads)
+        setup_device(device, cfg.threads)
         policy, tok, path, env_overrides = load_model_and_env(cfg, device)
         critic = load_critic(path, device) if cfg.algo == "ppo" else None
         ref = copy.deepcopy(policy).eval().requires_grad_(False)  # the initial policy: KL anchor and monitor

@@ -57,6 +57,20 @@ def test_pick_device_and_autocast():
     assert policy.autocast_dtype(torch.device("cuda")) is torch.bfloat16
 
 
+def test_setup_device_threads_on_cpu_and_no_cudnn_attention_on_cuda():
+    threads, cudnn = torch.get_num_threads(), torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        policy.setup_device(torch.device("cpu"), 2)
+        assert torch.get_num_threads() == 2 and torch.backends.cuda.cudnn_sdp_enabled()  # CPU: threads only
+        policy.setup_device(torch.device("cuda"))  # a flag of torch's: set without a GPU
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    finally:
+        torch.set_num_threads(threads)
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+
+
 # ----------------------------------------------------------------------------- the tiny tokenizer
 
 def test_tiny_tokenizer_is_word_level_and_exact(small):
