@@ -45,10 +45,10 @@ Deviations from the paper / RAGEN (deliberate):
    Sokoban): GCSL (Ghosh et al. 2019) beside the RL update. Each rollout that moved the box is relabelled as a
    success with the target where it left the box (loop-free turns, replies re-rendered as RAGEN does; with --think
    the thought rewritten in the expert's words, true of the relabelled room and the demo's moves), and K passes
-   of supervised learning on them follow the update, on their own AdamW (lr 5e-4). `--imitation-demos best` learns
-   instead from each room's shortest solved rollout, unrelabelled (expert iteration, Anthony et al. 2017). From the
-   tiny prior, GRPO alone does not learn Sokoban on a CPU; with this term the main command does (docs/experiments.md
-   section 0).
+   of supervised learning on them follow the update, on their own AdamW (lr 2.5e-4 for the tiny policy on Sokoban,
+   else 5e-4). `--imitation-demos best` learns instead from each room's shortest solved rollout, unrelabelled
+   (expert iteration, Anthony et al. 2017). From the tiny prior, GRPO alone does not learn Sokoban on a CPU; with
+   this term the main command does (docs/experiments.md section 0).
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ MODEL_DEFAULTS = {
 # (docs/experiments.md section 0):
 # one move per turn, no thought, a one-turn window, 32 rooms x 4 rollouts, and GCSL's hindsight imitation.
 TINY_SOKOBAN_DEFAULTS = dict(think=False, context_turns=1, max_turns=10, max_actions_per_turn=1, prompts=32,
-                             rollouts=4, hindsight_imitation=3, eval_prompts=256)
+                             rollouts=4, hindsight_imitation=3, imitation_lr=2.5e-4, eval_prompts=256)
 
 
 @dataclass
@@ -116,7 +116,8 @@ class Config:
     imitation_demos: str = cli.flag("hindsight", "what the imitation learns from: hindsight (every moving rollout, "
                                     "relabelled) or best (each room's shortest solved rollout)",
                                     choices=["hindsight", "best"])
-    imitation_lr: float = cli.flag(5e-4, "learning rate of the hindsight imitation (its own AdamW)", gt=0)
+    imitation_lr: float | None = cli.flag(None, "learning rate of the hindsight imitation (its own AdamW; default: "
+                                                "2.5e-4 for the embedded tiny policy on Sokoban, else 5e-4)", gt=0)
     kl_coef: float = cli.flag(0.0, "KL-to-initial-policy coefficient (paper StarPO: 0.001; 0 = KL removal, "
                                    "StarPO-S: KL is still measured)", lo=0)
     kl_kind: str = cli.flag("k3", "KL estimator: k1 (RAGEN's `kl`, the paper's runs) or k3 (low-variance)",
@@ -191,7 +192,7 @@ def derive(cfg: Config) -> Config:
     # the embedded prior only: a trained folder (an SFT policy) keeps the paper's batch; a preset asks for the paper
     tiny_sokoban = TINY_SOKOBAN_DEFAULTS if cfg.model == "tiny" and hasattr(ENVS[cfg.env], "reached_goal") and \
         cfg.preset is None else {}
-    cli.fill_defaults(cfg, {**PAPER_DEFAULTS, **MODEL_DEFAULTS[kind], **tiny_sokoban,
+    cli.fill_defaults(cfg, {**PAPER_DEFAULTS, "imitation_lr": 5e-4, **MODEL_DEFAULTS[kind], **tiny_sokoban,
                             "max_new_tokens": default_reply_tokens(kind, cfg.env),
                             "kl_in_reward": cfg.preset == "starpo" and cfg.algo == "ppo"})
     cli.check(cli.bounds(cfg) + [(not (cfg.kl_in_reward and cfg.algo == "grpo"), "--kl-in-reward: PPO only (GRPO "

@@ -127,14 +127,15 @@ def test_the_tiny_policy_on_sokoban_has_its_own_rendering_and_batch_every_other_
     import cli
     parse = lambda args: train.derive(cli.parse(train.Config, args, presets=train.PRESETS)[0])  # noqa: E731
     keys = ("think", "context_turns", "max_turns", "max_actions_per_turn", "prompts", "rollouts",
-            "hindsight_imitation", "steps", "eval_prompts")
+            "hindsight_imitation", "imitation_lr", "steps", "eval_prompts")
     get = lambda c: tuple(getattr(c, k) for k in keys)  # noqa: E731
-    assert get(parse([])) == (False, 1, 10, 1, 32, 4, 3, 30, 256) == get(parse(["--env", "sokoban-large"]))
-    assert get(parse(["--env", "bandit"])) == (True, 0, 5, 5, 8, 16, 0, 30, 128)
-    assert get(parse(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])) == (True, 0, 5, 5, 8, 16, 0, 200, 256)
-    typed = parse(["--think", "--prompts", "8", "--rollouts", "16", "--hindsight-imitation", "0", "--steps", "9"])
-    assert get(typed)[:1] + get(typed)[4:8] == (True, 8, 16, 0, 9)
-    assert get(parse(["--preset", "starpo-s"])) == (True, 0, 5, 5, 8, 16, 0, 30, 128)  # the paper's recipe, all of it
+    assert get(parse([])) == (False, 1, 10, 1, 32, 4, 3, 2.5e-4, 30, 256) == get(parse(["--env", "sokoban-large"]))
+    assert get(parse(["--env", "bandit"])) == (True, 0, 5, 5, 8, 16, 0, 5e-4, 30, 128)
+    assert get(parse(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])) == (True, 0, 5, 5, 8, 16, 0, 5e-4, 200, 256)
+    typed = parse(["--think", "--prompts", "8", "--rollouts", "16", "--hindsight-imitation", "0", "--steps", "9",
+                   "--imitation-lr", "1e-3"])
+    assert get(typed)[:1] + get(typed)[4:9] == (True, 8, 16, 0, 1e-3, 9)
+    assert get(parse(["--preset", "starpo-s"])) == (True, 0, 5, 5, 8, 16, 0, 5e-4, 30, 128)  # the paper's, all of it
     assert get(parse(["--preset", "starpo", "--max-turns", "10"]))[2] == 10
 
 
