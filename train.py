@@ -93,7 +93,7 @@ MODEL_DEFAULTS = {
 }
 # the embedded tiny prior on Sokoban without a preset, where the paper's recipe does not learn on a CPU
 # (docs/experiments.md section 0):
-# one move per turn, no thought, a one-turn window, 32 rooms x 4 rollouts, and GCSL's hindsight imitation.
+# one move per turn, no thought, a one-turn window, 32 rooms x 4 rollouts, and GCSL's hindsight imitation at lr 2.5e-4.
 TINY_SOKOBAN_DEFAULTS = dict(think=False, context_turns=1, max_turns=10, max_actions_per_turn=1, prompts=32,
                              rollouts=4, hindsight_imitation=3, imitation_lr=2.5e-4, eval_prompts=256)
 
