@@ -80,12 +80,12 @@ def autocast_dtype(device: torch.device):
 def setup_device(device: torch.device, threads: int = 1) -> None:
     """Process-wide settings for this device: intra-op threads on CPU (deviation 5); on CUDA, no cuDNN attention.
 
-    torch >= 2.11 prefers cuDNN's attention kernels on Hopper GPUs (H100, H200), and cuDNN builds an execution
-    graph for every new sequence length it meets. Here every shape is new: each decode step lengthens the KV
-    cache, each turn's prefill and each micro-batch has its own length. Measured on an H200 (torch 2.11,
-    random Qwen2.5-0.5B shapes, bf16): 2.5 ms of host time per attention call and ~95 ms per forward step at
-    any batch size, 2/3 of it in attention. Flash / memory-efficient attention (torch's choice before) compute
-    the same attention without a per-shape build."""
+    torch 2.11's CUDA builds prefer cuDNN's attention kernels on Hopper GPUs (H100, H200: the cuDNN they bundle
+    passes torch's version gate), and cuDNN builds an execution graph for every new sequence length it meets. Here
+    every shape is new: each decode step lengthens the KV cache, each turn's prefill and each micro-batch has its
+    own length. Measured on an H200 (torch 2.11, random Qwen2.5-0.5B shapes, bf16): 2.5 ms of host time per
+    attention call and ~95 ms per forward step at any batch size, 2/3 of it in attention. Flash / memory-efficient
+    attention (torch's choice before) compute the same attention without a per-shape build."""
     if device.type == "cpu":
         torch.set_num_threads(threads)
     elif device.type == "cuda":
