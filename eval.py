@@ -18,6 +18,10 @@ Deviations from the paper / RAGEN (deliberate):
    plans its turn on a copy of the env that shares its slips, so on FrozenLake it is a true ceiling.
 2. One rollout per prompt (the paper's 256 prompts x 1): `sample` 0 of each seed, i.e. fixed payoffs and slips
    per prompt, so two policies meet the same luck.
+3. `--samples K` (default 1, the paper's protocol) repeats the eval with sampling seeds SEED..SEED+K-1 and pools
+   the K x prompts episodes: the same fixed prompts, a narrower interval. The Wilson interval of the pooled count
+   is conservative for the success rate on these prompts: with the prompts fixed, the count's variance
+   sum_r K p_r (1 - p_r) is at most the binomial's n p (1 - p).
 """
 from __future__ import annotations
 
@@ -58,6 +62,8 @@ class Config:
                                                 "hub models 400, 500 on bandit)", lo=1)
     batch: int = cli.flag(256, "episodes decoded together in one batch", lo=1)
     seed: int = cli.flag(0, "sampling seed", lo=0, hi=cli.SEED_MAX)
+    samples: int = cli.flag(1, "rollouts per prompt, with sampling seeds SEED..SEED+K-1, pooled into one success "
+                               "rate and interval (paper: 1)", lo=1)
     device: str = cli.flag("auto", "auto, cpu, cuda or cuda:N")
     threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)", lo=1)
     webshop_data: str | None = cli.flag(None, "folder with the original WebShop files (default: shipped catalogue)")
@@ -164,6 +170,8 @@ def main(argv=None):
         unknown = [e for e in envs if e not in ENVS]
         cli.check(cli.bounds(cfg) + [
             (not unknown, f"--envs: unknown env {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(ENVS))}"),
+            (cfg.seed + cfg.samples - 1 <= cli.SEED_MAX,
+             f"--samples {cfg.samples}: with --seed {cfg.seed} the last sampling seed passes {cli.SEED_MAX}"),
             (not cfg.webshop_data or "webshop" in envs,
              f"--webshop-data {cfg.webshop_data}: only for the webshop env (evaluating: {', '.join(envs)})"),
         ])
@@ -194,22 +202,27 @@ def main(argv=None):
     # ---- one eval per env
     rows = {}
     for env in envs:
-        rcfg, agent = rcfgs[env], None
-        if cfg.policy == "random":
-            agent = random_agent(random.Random(cfg.seed))
-        elif cfg.policy == "expert":
-            agent = expert_agent(rcfg.max_actions_per_turn)
-        t0 = time.time()
-        m, trajs = evaluate(env, rcfg, model, tok, agent, cfg.prompts, cfg.seed, cfg.batch,
-                            overrides if env == "webshop" else None)
-        m["seconds"] = time.time() - t0
+        rcfg, t0, trajs, per_sample = rcfgs[env], time.time(), [], []
+        for seed in range(cfg.seed, cfg.seed + cfg.samples):  # one whole eval per sampling seed (deviation 3)
+            agent = None
+            if cfg.policy == "random":
+                agent = random_agent(random.Random(seed))
+            elif cfg.policy == "expert":
+                agent = expert_agent(rcfg.max_actions_per_turn)
+            m, part = evaluate(env, rcfg, model, tok, agent, cfg.prompts, seed, cfg.batch,
+                               overrides if env == "webshop" else None)
+            trajs += part
+            per_sample.append(m["success"])
+        m = summarize(trajs, scripted=cfg.policy in SCRIPTED)
+        m["seconds"], m["success_per_sample"] = time.time() - t0, per_sample
         rows[env] = m
-        print(f"{env}: success {m['success']:.3f} [{m['success_lo']:.3f}, {m['success_hi']:.3f}] "
+        each = f" (per sample: {' '.join(f'{x:.3f}' for x in per_sample)})" if cfg.samples > 1 else ""
+        print(f"{env}: success {m['success']:.3f} [{m['success_lo']:.3f}, {m['success_hi']:.3f}]{each} "
               f"actions {m['num_actions']:.2f} valid {m['valid_action']:.3f} effective "
               f"{m['effective_action']:.3f} format {m['format']:.3f} ({m['seconds']:.0f}s)", file=sys.stderr)
         for t in trajs[:cfg.dump]:
             print(dump(t, tok), file=sys.stderr)
-    print(f"policy: {cfg.policy}, {cfg.prompts} prompts, temperature {cfg.temperature}, "
+    print(f"policy: {cfg.policy}, {cfg.prompts} prompts x {cfg.samples} sample(s), temperature {cfg.temperature}, "
           f"rollout: {asdict(rcfgs[envs[0]])}")
     print(table(rows))
     if cfg.json:

@@ -111,6 +111,8 @@ CASES = [
     ("eval", ["--policy", "/nonexistent/folder"], "--policy", None),
     ("eval", ["--envs", "sokoban,chess"], "chess", None),
     ("eval", ["--prompts", "0"], "--prompts 0", None),
+    ("eval", ["--samples", "0"], "--samples 0", None),
+    ("eval", ["--seed", str(2 ** 31 - 1), "--samples", "2"], "--samples 2", None),
     ("eval", ["--policy", "random", "--max-turns", "0"], "--max-turns 0", None),
     ("eval", ["--temperature", "-1"], "--temperature -1.0", None),
     ("eval", ["--temperature", "inf"], "--temperature", None),

@@ -109,6 +109,18 @@ def test_eval_scripted_floor_and_ceiling_and_table(tmp_path):
     assert bad.returncode == 2 and "chess" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_eval_samples_pool_one_eval_per_sampling_seed(capsys):
+    import eval as eval_py
+    one = [eval_py.main(["--env", "sokoban", "--policy", "random", "--prompts", "16", "--seed", str(s)])["sokoban"]
+           for s in (3, 4)]
+    both = eval_py.main(["--env", "sokoban", "--policy", "random", "--prompts", "16", "--seed", "3",
+                         "--samples", "2"])["sokoban"]
+    assert both["episodes"] == 32 and both["success_per_sample"] == [m["success"] for m in one]
+    assert both["success"] == (one[0]["success"] + one[1]["success"]) / 2
+    assert (both["success_lo"], both["success_hi"]) == wilson(round(both["success"] * 32), 32)
+    assert "per sample:" in capsys.readouterr().err
+
+
 def test_presets_and_explicit_flags():
     import cli
     cfg, explicit = cli.parse(train.Config, ["--preset", "starpo"], presets=train.PRESETS)
