@@ -16,12 +16,14 @@ with the prompts it was trained on.
 Deviations from the paper / RAGEN (deliberate):
 1. `random` and `expert` are scripted agents through the same rollout loop: a floor and a ceiling. The expert
    plans its turn on a copy of the env that shares its slips, so on FrozenLake it is a true ceiling.
-2. One rollout per prompt (the paper's 256 prompts x 1): `sample` 0 of each seed, i.e. fixed payoffs and slips
-   per prompt, so two policies meet the same luck.
+2. One rollout per prompt (the paper's 256 prompts x 1; `--samples K`: K): `sample` 0 of each seed, i.e. fixed
+   payoffs and slips per prompt, so two policies meet the same luck.
 3. `--samples K` (default 1, the paper's protocol) repeats the eval with sampling seeds SEED..SEED+K-1 and pools
-   the K x prompts episodes: the same fixed prompts, a narrower interval. The Wilson interval of the pooled count
-   is conservative for the success rate on these prompts: with the prompts fixed, the count's variance
-   sum_r K p_r (1 - p_r) is at most the binomial's n p (1 - p).
+   the K x prompts episodes. Only the policy's sampling differs between them (the prompts' luck stays fixed), so
+   it needs a sampling policy (temperature > 0, not the expert). Its Wilson interval is for the success rate on
+   these fixed prompts, where it is conservative: the pooled count's variance sum_r K p_r (1 - p_r) is at most
+   the binomial's n p (1 - p). It does not cover how the rate would move on other rooms (the one-sample interval
+   does, reading the prompts as a sample of the generator's).
 """
 from __future__ import annotations
 
@@ -171,7 +173,12 @@ def main(argv=None):
         cli.check(cli.bounds(cfg) + [
             (not unknown, f"--envs: unknown env {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(ENVS))}"),
             (cfg.seed + cfg.samples - 1 <= cli.SEED_MAX,
-             f"--samples {cfg.samples}: with --seed {cfg.seed} the last sampling seed passes {cli.SEED_MAX}"),
+             f"--samples {cfg.samples}: with --seed {cfg.seed} the last sampling seed exceeds {cli.SEED_MAX}"),
+            (cfg.samples == 1 or cfg.policy != "expert",
+             f"--samples {cfg.samples}: the expert does not sample, every sample would repeat the first; use 1"),
+            (cfg.samples == 1 or cfg.temperature > 0 or cfg.policy in SCRIPTED,
+             f"--samples {cfg.samples}: --temperature 0 decodes greedily, every sample would repeat the first; use 1 "
+             f"or a temperature above 0"),
             (not cfg.webshop_data or "webshop" in envs,
              f"--webshop-data {cfg.webshop_data}: only for the webshop env (evaluating: {', '.join(envs)})"),
         ])

@@ -113,6 +113,8 @@ CASES = [
     ("eval", ["--prompts", "0"], "--prompts 0", None),
     ("eval", ["--samples", "0"], "--samples 0", None),
     ("eval", ["--seed", str(2 ** 31 - 1), "--samples", "2"], "--samples 2", None),
+    ("eval", ["--policy", "expert", "--samples", "2"], "--samples 2: the expert", None),
+    ("eval", ["--temperature", "0", "--samples", "3"], "--samples 3: --temperature 0", None),
     ("eval", ["--policy", "random", "--max-turns", "0"], "--max-turns 0", None),
     ("eval", ["--temperature", "-1"], "--temperature -1.0", None),
     ("eval", ["--temperature", "inf"], "--temperature", None),

@@ -109,16 +109,21 @@ def test_eval_scripted_floor_and_ceiling_and_table(tmp_path):
     assert bad.returncode == 2 and "chess" in bad.stderr and "Traceback" not in bad.stderr
 
 
-def test_eval_samples_pool_one_eval_per_sampling_seed(capsys):
+@pytest.mark.parametrize("policy", ["random", "MODEL"])
+def test_eval_samples_pool_one_eval_per_sampling_seed(policy, bandit_tiny, tmp_path, capsys):
     import eval as eval_py
-    one = [eval_py.main(["--env", "sokoban", "--policy", "random", "--prompts", "16", "--seed", str(s)])["sokoban"]
-           for s in (3, 4)]
-    both = eval_py.main(["--env", "sokoban", "--policy", "random", "--prompts", "16", "--seed", "3",
-                         "--samples", "2"])["sokoban"]
+    base = ["--env", "bandit", "--policy", bandit_tiny if policy == "MODEL" else policy, "--prompts", "16"]
+    one = [eval_py.main(base + ["--seed", str(s)])["bandit"] for s in (3, 4)]
+    assert one[0]["reward"] != one[1]["reward"]  # two sampling seeds, two different evals
+    both = eval_py.main(base + ["--seed", "3", "--samples", "2", "--json", str(tmp_path / "x.json")])["bandit"]
     assert both["episodes"] == 32 and both["success_per_sample"] == [m["success"] for m in one]
     assert both["success"] == (one[0]["success"] + one[1]["success"]) / 2
+    assert both["reward"] == pytest.approx((one[0]["reward"] + one[1]["reward"]) / 2)
     assert (both["success_lo"], both["success_hi"]) == wilson(round(both["success"] * 32), 32)
-    assert "per sample:" in capsys.readouterr().err
+    saved = json.loads((tmp_path / "x.json").read_text())["results"]["bandit"]
+    assert saved["success_per_sample"] == both["success_per_sample"]
+    out = capsys.readouterr()
+    assert "per sample:" in out.err and "16 prompts x 2 sample(s)" in out.out
 
 
 def test_presets_and_explicit_flags():
