@@ -116,9 +116,6 @@ class Config:
     imitation_demos: str = cli.flag("hindsight", "what the imitation learns from: hindsight (every moving rollout, "
                                     "relabelled) or best (each room's shortest solved rollout)",
                                     choices=["hindsight", "best"])
-    imitation_buffer: int = cli.flag(1, "the imitation draws its mini-batches from the demos of the last this many "
-                                        "iterations (GCSL's replay buffer; this one's included), as many rows per "
-                                        "pass as this iteration's demos have", lo=1)
     imitation_lr: float | None = cli.flag(None, "learning rate of the hindsight imitation (its own AdamW; default: "
                                                 "2.5e-4 for the embedded tiny policy on Sokoban, else 5e-4)", gt=0)
     kl_coef: float = cli.flag(0.0, "KL-to-initial-policy coefficient (paper StarPO: 0.001; 0 = KL removal, "
@@ -359,22 +356,14 @@ def hindsight_demos(cfg: Config, trajs: list, tok, rcfg: RolloutConfig, env_over
     return [d for d in demos if d.success]
 
 
-def imitate(cfg: Config, it: int, demos: list, buffer: list, policy, opt, ucfg: UpdateConfig, pad_id: int, device,
-            amp) -> dict:
+def imitate(cfg: Config, it: int, demos: list, policy, opt, ucfg: UpdateConfig, pad_id: int, device, amp) -> dict:
     """`hindsight_imitation` passes of supervised learning on the demos' replies: each mini-batch is one `update`
     with advantage 1 on every trained token and the ratio exactly 1 (no old log-probs), whose gradient is that of
-    the mean negative log-likelihood, -grad log p: no clip, no entropy bonus, no KL. With `imitation_buffer` M > 1
-    (GCSL's replay buffer), each pass draws as many rows as this iteration's demos have, without replacement, from
-    theirs and those of the M - 1 iterations before (`buffer`, updated in place: one list of (ids, mask) per
-    iteration): the same steps, from more varied data. M = 1 draws exactly this iteration's rows. -> metrics."""
+    the mean negative log-likelihood, -grad log p: no clip, no entropy bonus, no KL. -> metrics."""
     from policy import pad_segments
-    now = [(s.input_ids, trained_mask(s, cfg.response_mask)) for d in demos for s in d.segments]
-    buffer.append(now)
-    del buffer[:-cfg.imitation_buffer]
-    rows = [Segment(ids, mask) for its_rows in reversed(buffer) for ids, mask in its_rows]  # this iteration's first
-    m = {"imitation/demos": float(len(demos)), "imitation/rows": float(len(now)), "imitation/optimizer_steps": 0.0,
-         "imitation/buffer_rows": float(len(rows))}
-    if not now:
+    rows = [Segment(s.input_ids, trained_mask(s, cfg.response_mask)) for d in demos for s in d.segments]
+    m = {"imitation/demos": float(len(demos)), "imitation/rows": float(len(rows)), "imitation/optimizer_steps": 0.0}
+    if not rows:
         return m
     ids, attn, mask = pad_segments(rows, pad_id)  # [B, T] each
     data = Batch(input_ids=ids, attention_mask=attn, loss_mask=mask, advantages=mask.float(),
@@ -383,8 +372,8 @@ def imitate(cfg: Config, it: int, demos: list, buffer: list, policy, opt, ucfg: 
     gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + it * 101 + 77)
     entropies = []
     for _ in range(cfg.hindsight_imitation):
-        perm = torch.randperm(len(rows), generator=gen)[:len(now)]
-        for start in range(0, len(now), ucfg.mini_batch):
+        perm = torch.randperm(len(rows), generator=gen)
+        for start in range(0, len(rows), ucfg.mini_batch):
             um = update(policy, opt, data.select(perm[start:start + ucfg.mini_batch]), icfg, generator=gen,
                         autocast_dtype=amp, shard=(dist.rank(), dist.world_size()))
             m["imitation/optimizer_steps"] += um["train/optimizer_steps"]
@@ -544,7 +533,6 @@ def resume_config(cfg: Config, explicit: set[str]) -> Config:
                          f"--steps, --device, --threads)")
     saved.setdefault("imitation_demos", "hindsight")
     saved.setdefault("hindsight_imitation", 0)  # a run saved before the flag existed ran without it
-    saved.setdefault("imitation_buffer", 1)
     return Config(**{**saved, **{k: getattr(cfg, k) for k in explicit}, "out": cfg.resume})
 
 
@@ -580,8 +568,7 @@ def read_metrics(path: Path, upto: int) -> list[str]:
     return kept
 
 
-def save_checkpoint(out: Path, step: int, policy, tok, critic, opt, critic_opt, imit_opt, imit_buffer, monitor,
-                    cfg: Config):
+def save_checkpoint(out: Path, step: int, policy, tok, critic, opt, critic_opt, imit_opt, monitor, cfg: Config):
     """Write ckpt-STEP/ completely, then point `latest` at it atomically (temp file + rename)."""
     final = out / f"ckpt-{step:06d}"
     tmp = out / f".tmp-ckpt-{step:06d}"
@@ -591,7 +578,6 @@ def save_checkpoint(out: Path, step: int, policy, tok, critic, opt, critic_opt, 
     state = {"step": step, "opt": opt.state_dict(), "monitor": asdict(monitor)}
     if imit_opt is not None:
         state["imit_opt"] = imit_opt.state_dict()
-        state["imitation_buffer"] = imit_buffer[1 - cfg.imitation_buffer:] if cfg.imitation_buffer > 1 else []
     if critic is not None:
         critic.save_pretrained(str(tmp / "critic"))
         state["critic_opt"] = critic_opt.state_dict()
@@ -632,9 +618,6 @@ def main(argv=None):
         if cfg.hindsight_imitation and not hasattr(ENVS[cfg.env], "reached_goal"):
             raise ValueError(f"--hindsight-imitation {cfg.hindsight_imitation}: only for {allowed} (this run: --env "
                              f"{cfg.env}; 0 turns it off)")
-        if cfg.imitation_buffer > 1 and not cfg.hindsight_imitation:
-            raise ValueError(f"--imitation-buffer {cfg.imitation_buffer}: the buffer of --hindsight-imitation K, which "
-                             f"is 0 in this run (give K >= 1)")
         if cfg.imitation_demos != "hindsight" and not cfg.hindsight_imitation:
             raise ValueError(f"--imitation-demos {cfg.imitation_demos}: the demos of --hindsight-imitation K, which is "
                              f"0 in this run (give K >= 1)")
@@ -670,7 +653,6 @@ def main(argv=None):
     imit_opt = make_optimizer(policy, cfg.imitation_lr, weight_decay=0.0, betas=(0.9, 0.95)) \
         if cfg.hindsight_imitation else None
     monitor = EchoMonitor(**state["monitor"]) if found else EchoMonitor()
-    imit_buffer = list(state.get("imitation_buffer", [])) if found else []  # the demos of past iterations (GCSL)
     if found:
         opt.load_state_dict(state["opt"])
         if critic is not None:
@@ -766,8 +748,7 @@ def main(argv=None):
                 t4 = time.time()
                 demos = hindsight_demos(cfg, trajs, tok, train_rcfg, env_overrides)
                 policy.train()
-                m.update(imitate(cfg, it, demos, imit_buffer, train_policy, imit_opt, ucfg, tok.pad_token_id, device,
-                                 amp))
+                m.update(imitate(cfg, it, demos, train_policy, imit_opt, ucfg, tok.pad_token_id, device, amp))
                 m["time/imitation"] = time.time() - t4
                 if not weights_finite(policy):
                     diverged = "the hindsight imitation made the policy's weights non-finite"
@@ -797,8 +778,7 @@ def main(argv=None):
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(m) + "\n")
                 if cfg.save_every and ((it + 1) % cfg.save_every == 0 or last) and not diverged:
-                    save_checkpoint(out, it + 1, policy, tok, critic, opt, critic_opt, imit_opt, imit_buffer, monitor,
-                                    cfg)
+                    save_checkpoint(out, it + 1, policy, tok, critic, opt, critic_opt, imit_opt, monitor, cfg)
                     saved_at = it + 1
                 tqdm.write(line(m))
             if diverged:

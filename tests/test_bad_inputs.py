@@ -98,8 +98,6 @@ CASES = [
     ("train", ["--hindsight", "--env", "bandit"], "--hindsight: only for sokoban", None),
     ("train", ["--hindsight-imitation", "2", "--env", "bandit"], "--hindsight-imitation 2: only for sokoban", None),
     ("train", ["--hindsight-imitation", "0", "--imitation-demos", "best"], "--imitation-demos best: the demos", None),
-    ("train", ["--hindsight-imitation", "0", "--imitation-buffer", "2"], "--imitation-buffer 2: the buffer", None),
-    ("train", ["--imitation-buffer", "0"], "--imitation-buffer 0", None),
     ("train", ["--resume", "RUN", "--env", "sokoban"], "--env", "untouched"),
     ("train", ["--resume", "RUN", "--overwrite"], "--overwrite", "untouched"),
     ("train", ["--resume", "TMP/none"], "--resume", None),

@@ -609,7 +609,7 @@ def test_imitate_takes_the_supervised_step(small):
     ((nll * mask[:, 1:]).sum() / mask[:, 1:].sum()).backward()
     model.train()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    m = train.imitate(cfg, 0, demos, [], model, opt, UpdateConfig(mini_batch=64, max_grad_norm=1e9), tok.pad_token_id,
+    m = train.imitate(cfg, 0, demos, model, opt, UpdateConfig(mini_batch=64, max_grad_norm=1e9), tok.pad_token_id,
                       torch.device("cpu"), None)
     assert m["imitation/optimizer_steps"] == 1 and m["imitation/rows"] == len(rows)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
@@ -617,56 +617,14 @@ def test_imitate_takes_the_supervised_step(small):
         torch.testing.assert_close(p - before, -0.1 * q.grad, atol=1e-6, rtol=1e-4, msg=name)
 
 
-def test_the_imitation_buffer_trains_past_iterations_rows(small):
-    """--imitation-buffer 2: the second iteration's one step is the NLL gradient of as many rows as it has demos,
-    drawn from its rows and the first iteration's (without replacement, in the order the docstring gives), and the
-    buffer keeps only the last 2 iterations' rows."""
-    import train
-    from starpo import UpdateConfig
-    model, tok = copy.deepcopy(small[0]), small[1]
-    cfg = train.derive(train.Config(env="sokoban", hindsight_imitation=1, imitation_buffer=2))
-    rcfg = train.rollout_config(cfg, 1.0)
-    demos = [train.hindsight_demos(cfg, R.rollout("sokoban", seeds, [0, 1, 2], rcfg, tokenizer=tok,
-                                                  agent=R.random_agent(random.Random(k))), tok, rcfg, {})
-             for k, seeds in enumerate([[7000, 7001, 7002], [7100, 7101, 7102], [7200, 7201, 7202]])]
-    rows = [[s for d in ds for s in d.segments] for ds in demos]
-    assert all(rows)
-    buffer, ucfg = [], UpdateConfig(mini_batch=256, max_grad_norm=1e9)
-    model.train()
-    train.imitate(cfg, 0, demos[0], buffer, model, torch.optim.SGD(model.parameters(), lr=0.0), ucfg,
-                  tok.pad_token_id, torch.device("cpu"), None)
-    before = copy.deepcopy(model)
-    m = train.imitate(cfg, 1, demos[1], buffer, model, torch.optim.SGD(model.parameters(), lr=0.1), ucfg,
-                      tok.pad_token_id, torch.device("cpu"), None)
-    pool = rows[1] + rows[0]  # this iteration's rows first
-    pick = torch.randperm(len(pool), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + 1 * 101 + 77))
-    chosen = [pool[i] for i in pick[:len(rows[1])]]
-    assert any(i >= len(rows[1]) for i in pick[:len(rows[1])].tolist())  # the draw reaches the first iteration's
-    assert m["imitation/optimizer_steps"] == 1 and m["imitation/buffer_rows"] == len(pool)
-    ref = copy.deepcopy(before).float()
-    ids, attn, mask = policy.pad_segments(chosen, tok.pad_token_id)
-    logits = ref(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-    ((nll * mask[:, 1:]).sum() / mask[:, 1:].sum()).backward()
-    for (name, p), q, b in zip(model.named_parameters(), ref.parameters(), before.parameters()):
-        torch.testing.assert_close(p - b, -0.1 * q.grad, atol=1e-6, rtol=1e-4, msg=name)
-    train.imitate(cfg, 2, demos[2], buffer, model, torch.optim.SGD(model.parameters(), lr=0.0), ucfg,
-                  tok.pad_token_id, torch.device("cpu"), None)
-    assert [len(b) for b in buffer] == [len(rows[1]), len(rows[2])]
-    assert buffer[-1][0] == (rows[2][0].input_ids, rows[2][0].loss_mask)
-
-
-@pytest.mark.parametrize("buffer", ["1", "3"])
-def test_a_run_with_hindsight_imitation_resumes_as_if_uninterrupted(small, tmp_path, buffer):
-    """The imitation's optimizer and its buffer are checkpointed: 2 iterations, then --resume to 3, log what 3
-    uninterrupted log."""
+def test_a_run_with_hindsight_imitation_resumes_as_if_uninterrupted(small, tmp_path):
+    """The imitation's optimizer is checkpointed: 2 iterations, then --resume to 3, log what 3 uninterrupted log."""
     import json
     import train
     model, tok = small
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
     common = ["--env", "sokoban", "--model", str(tmp_path / "m"), "--hindsight-imitation", "2", "--no-think",
-              "--imitation-buffer", buffer,
               "--context-turns", "1", "--max-turns", "6", "--max-actions-per-turn", "1", "--prompts", "8",
               "--rollouts", "2", "--filter", "0.5", "--lr", "1e-3", "--eval-every", "0", "--eval-prompts", "4",
               "--save-every", "1", "--dump-trajectories", "0"]
