@@ -516,7 +516,7 @@ def bench_gpu(args) -> dict:
 
     import train
     from envs import train_seeds
-    from policy import build_tokenizer
+    from prior import build_tokenizer
     from rollout import RolloutConfig, random_agent, rollout
     from transformers import Qwen2Config, Qwen2ForCausalLM
     import random

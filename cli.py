@@ -157,10 +157,10 @@ def writable_file(path: str, flag_name: str) -> Path:
     return p
 
 
-def run_folder(path: str, flag_name: str, overwrite: bool) -> Path:
+def run_folder(path: str, flag_name: str, overwrite: bool, resumable: bool = False) -> Path:
     """Check that a new run may be written into `path` and nothing there would be lost: a folder that does not
     exist yet (its parent must be a writable folder, or creatable), an empty one, or, with --overwrite, an
-    earlier run's folder. Nothing is written here."""
+    earlier run's folder (`resumable`: the script has --resume, and the error says so). Nothing is written here."""
     if not path:
         raise ValueError(f"{flag_name} '': needs a folder path")
     p = Path(path)
@@ -171,8 +171,8 @@ def run_folder(path: str, flag_name: str, overwrite: bool) -> Path:
             raise ValueError(f"{flag_name} {path}: a folder with other files in it, not a run folder; choose "
                              f"another {flag_name}")
         if not overwrite:
-            raise ValueError(f"{flag_name} {path}: a run is already there; continue it with --resume {path}, "
-                             f"or replace it with --overwrite")
+            resume = f"continue it with --resume {path}, " if resumable else f"choose another {flag_name}, "
+            raise ValueError(f"{flag_name} {path}: a run is already there; {resume}or replace it with --overwrite")
     existing = next(q for q in [p, *p.parents] if q.exists())  # the nearest folder that exists
     if not existing.is_dir():
         raise ValueError(f"{flag_name} {path}: {existing} is a file, so no folder can be made under it")

@@ -5,7 +5,7 @@ One trajectory = system message + environment instruction, then up to `max_turns
 in ONE batch with a KV cache; the trajectory records the exact token ids that were sampled (never re-tokenised)
 and a loss mask that is 1 exactly on sampled tokens (section 2.2: only the agent's own tokens are optimised).
 A replay (`replies=`) re-sends recorded reply ids turn by turn, in the same room or one with another goal
-(train.py --hindsight).
+(hindsight.py).
 
 Prompt layout (after RAGEN's ctx_manager), built with the tokenizer's own chat template:
     system:    "You're a helpful assistant."
@@ -250,7 +250,7 @@ def random_agent(rng: random.Random):
 
 def expert_thought(note: str, moves: list[str]) -> str:
     """The expert's words for a turn: the note (where things are, its next push), then the turn's moves. The SFT data
-    speaks them, and so does a hindsight demo (train.py `demo_thoughts`)."""
+    speaks them, and so does a hindsight demo (hindsight.py `demo_thoughts`)."""
     return (note + ". " if note else "") + "I pick my moves: " + ", ".join(moves) + "."
 
 

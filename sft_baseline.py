@@ -44,11 +44,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cli
+from checkpoint import save_final
 from envs import ENVS, train_seeds
 from eval import evaluate
 from rollout import Segment, default_reply_tokens, dump, expert_agent, prefill, rollout
 from starpo import make_optimizer, shared_prefix_len, token_logprobs
-from train import load_model_and_env, rollout_config, save_final
+from train import load_model_and_env, rollout_config
 
 # Per-model defaults for fields left at None. Qwen: the paper's (Appendix G). tiny: what trains on a CPU.
 MODEL_DEFAULTS = {

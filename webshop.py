@@ -85,6 +85,7 @@ import numbers
 import os
 import random
 import re
+import sys
 from dataclasses import dataclass, field
 
 # ----------------------------------------------------------------------------- constants
@@ -919,12 +920,16 @@ def main(argv=None):
     ap.add_argument("--max-actions", type=int, default=RAGEN_BUDGET["max_actions"],
                     help=f"actions of --play (RAGEN: {RAGEN_BUDGET['max_actions']})")
     args = ap.parse_args(argv)
-    if args.write_catalogue is None and args.play is None:
+    if argv == [] or (argv is None and len(sys.argv) == 1):  # no flags at all: what the script can do
         ap.print_help()
         return
     try:
         cli.check([(args.play is None or args.play >= 0, f"--play {args.play}: must be >= 0"),
-                   (args.max_actions >= 1, f"--max-actions {args.max_actions}: must be >= 1")])
+                   (args.max_actions >= 1, f"--max-actions {args.max_actions}: must be >= 1"),
+                   (args.num_products is None or args.num_products >= 1,
+                    f"--num-products {args.num_products}: must be >= 1"),
+                   (args.write_catalogue is not None or args.play is not None,
+                    "nothing to do: give --write-catalogue DIR or --play SEED")])
         if args.write_catalogue is not None:
             names = ("items_shuffle.json", "items_ins_v2.json", HUMAN_FILE, REVIEW_FILE)
             there = [n for n in names if os.path.exists(os.path.join(args.write_catalogue, n))]

@@ -1,8 +1,10 @@
 """Shared pytest fixtures (pytest loads this file itself; run the suite with `python -m pytest -q`).
 
-`bandit_tiny`: a small tiny-policy build (2 layers, hidden 64, bandit only, warmed up for 60 steps; seconds to
-build) saved as a folder, for the subprocess runs of train.py (tests/test_train.py, tests/test_distributed.py).
-Built once per test session.
+Tests never train the shipped prior's ~1M parameters: they use small builds of the same recipe (prior.py), each
+built once per test session into pytest's temporary folder (seconds):
+- `small_path` / `small`: SMALL, bandit and sokoban, 2 layers of hidden 64, 80 warm-up steps; its replies are a mix
+  of well-formed and broken ones, which is what the rollout tests need. `small` is (model, tokenizer).
+- `bandit_tiny`: bandit only, 60 warm-up steps, a folder for the subprocess runs of train.py.
 """
 import sys
 from pathlib import Path
@@ -11,12 +13,36 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+SMALL = dict(envs=["bandit", "sokoban"],
+             warmup=dict(episodes_per_env=32, steps=80, batch_tokens=2048, lr=2e-2),
+             model_cfg=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1))
+# A build that only has to exist (cache-key and offline tests): ~1 s.
+MICRO = dict(envs=["bandit"], warmup=dict(episodes_per_env=8, steps=2, batch_tokens=512),
+             model_cfg=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1))
+
+
+@pytest.fixture(scope="session")
+def small_path(tmp_path_factory) -> str:
+    import torch
+    torch.set_num_threads(1)
+    from prior import ensure_tiny
+    return ensure_tiny(str(tmp_path_factory.getbasetemp() / "tiny-cache"), progress=False, **SMALL)
+
+
+@pytest.fixture(scope="session")
+def small(small_path):
+    from policy import load_policy
+    model, tok, _ = load_policy(small_path)
+    return model, tok
+
 
 @pytest.fixture(scope="session")
 def bandit_tiny(tmp_path_factory) -> str:
     import torch
     torch.set_num_threads(1)
-    from policy import ensure_tiny
+    from prior import ensure_tiny
     return ensure_tiny(str(tmp_path_factory.mktemp("tiny")), progress=False,
                        warmup=dict(steps=60, episodes_per_env=64),
                        model_cfg=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2),

@@ -22,12 +22,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import bench  # noqa: E402
+import prior  # noqa: E402
 import eval as eval_py  # noqa: E402
 import sft_baseline  # noqa: E402
 import train  # noqa: E402
 import webshop  # noqa: E402
 
-SCRIPTS = {"train": train, "eval": eval_py, "sft": sft_baseline, "webshop": webshop, "bench": bench}
+SCRIPTS = {"train": train, "eval": eval_py, "sft": sft_baseline, "webshop": webshop, "bench": bench,
+           "prior": prior}
 
 
 @pytest.fixture(scope="module")
@@ -93,10 +95,10 @@ CASES = [
     ("train", ["--device", "cuda:x"], "--device", None),
     ("train", ["--out", ""], "--out ''", None),
     ("train", ["--out", "TMP/afile/run"], "is a file", None),
-    ("train", ["--out", "RUN"], "--overwrite", "untouched"),
+    ("train", ["--out", "RUN"], "continue it with --resume", "untouched"),
     ("train", ["--webshop-data", "TMP", "--env", "sokoban"], "--webshop-data", None),
-    ("train", ["--hindsight", "--env", "bandit"], "--hindsight: only for sokoban", None),
     ("train", ["--hindsight-imitation", "2", "--env", "bandit"], "--hindsight-imitation 2: only for sokoban", None),
+    ("train", ["--hindsight-imitation", "-1"], "--hindsight-imitation -1", None),
     ("train", ["--hindsight-imitation", "0", "--imitation-demos", "best"], "--imitation-demos best: the demos", None),
     ("train", ["--resume", "RUN", "--env", "sokoban"], "--env", "untouched"),
     ("train", ["--resume", "RUN", "--overwrite"], "--overwrite", "untouched"),
@@ -107,7 +109,7 @@ CASES = [
     ("train", ["--resume", "RUN"], "metrics.jsonl", "metrics"),
     ("train", ["--plot", "TMP/none"], "--plot", None),
     ("train", ["--plot", "RUN", "--plot-out", "TMP/none/x.png"], "--plot-out", "untouched"),
-    ("train", ["--model", "TMP/broken-model", "--out", "TMP/r"], "cannot load", None),
+    ("train", ["--model", "TMP/broken-model", "--out", "TMP/r"], "broken-model/model.safetensors", None),
     ("eval", ["--policy", "/nonexistent/folder"], "--policy", None),
     ("eval", ["--envs", "sokoban,chess"], "chess", None),
     ("eval", ["--prompts", "0"], "--prompts 0", None),
@@ -122,17 +124,21 @@ CASES = [
     ("eval", ["--policy", "random", "--webshop-data", "TMP"], "--webshop-data", None),
     ("eval", ["--policy", "RUN", "--env", "bandit"], "neither final", "no-checkpoint"),
     ("eval", ["--policy", "RUN/final", "--env", "bandit"], "--max-turns 0", "saved-settings"),
-    ("eval", ["--policy", "TMP/broken-model"], "cannot load", None),
+    ("eval", ["--policy", "TMP/broken-model"], "cannot load the model from", None),
     ("sft", ["--lora-rank", "-1"], "--lora-rank -1", None),
     ("sft", ["--adam-beta2", "1.0"], "--adam-beta2 1.0", None),
     ("sft", ["--epochs", "0"], "--epochs 0", None),
     ("sft", ["--expert-actions", "9"], "--expert-actions 9", None),
-    ("sft", ["--out", "RUN"], "--overwrite", "untouched"),
+    ("sft", ["--out", "RUN"], "choose another --out, or replace it with --overwrite", "untouched"),
     ("webshop", ["--play", "-3"], "--play -3", None),
     ("webshop", ["--write-catalogue", "TMP/afile"], "not a folder", None),
     ("webshop", ["--play", "1", "--num-products", "0"], "--num-products", None),
     ("webshop", ["--play", "1", "--data-dir", "TMP/none"], "--data-dir", None),
     ("webshop", ["--max-actions", "x"], "--max-actions", None),
+    ("webshop", ["--num-products", "-1"], "--num-products -1", None),
+    ("webshop", ["--num-products", "5"], "nothing to do", None),
+    ("prior", ["--out", "RUN"], "--overwrite", "untouched"),
+    ("prior", ["--steps", "0"], "--steps 0", None),
     ("bench", ["nosuch"], "nosuch", None),
     ("bench", ["rollout", "--repeats", "0"], "--repeats 0", None),
     ("bench", ["gpu", "--gpu-filter", "2"], "--gpu-filter 2.0", None),

@@ -1,10 +1,9 @@
-"""Tests for policy.py: device choice, the tiny policy (tokenizer, cached deterministic build, offline load), the
-Hugging Face loading path on a small Qwen2 model saved with save_pretrained, and the PPO critic.
+"""Tests for policy.py: device choice, the Hugging Face loading path on a small Qwen2 model saved with
+save_pretrained, the shipped prior's loading and its errors, and the PPO critic.
 
 Run from the repository root:  python -m pytest -q tests/test_policy.py   (about 20 s on one core)
 
-The tiny policy used here is a SMALL build (2 envs, a ~80k-parameter model, 80 warm-up steps: seconds), built once
-per session into pytest's temporary folder; the default build (~1M parameters, ~80 s) is bench.py's business.
+`small` (tests/conftest.py) is a SMALL tiny-policy build (2 envs, ~80k parameters, seconds to build).
 """
 import json
 import os
@@ -20,26 +19,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import policy  # noqa: E402
+import prior  # noqa: E402
 import rollout as R  # noqa: E402
 
 torch.set_num_threads(1)  # on 2-core machines, 2 threads made small-model forward+backward erratic and slower
-
-# The same SMALL build as tests/test_rollout.py (same dict, same cache folder: built once per session).
-SMALL = dict(envs=["bandit", "sokoban"],
-             warmup=dict(episodes_per_env=32, steps=80, batch_tokens=2048, lr=2e-2),
-             model_cfg=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                            num_key_value_heads=1))
-# A build that only has to exist (cache-key and offline tests): ~1 s.
-MICRO = dict(envs=["bandit"], warmup=dict(episodes_per_env=8, steps=2, batch_tokens=512),
-             model_cfg=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                            num_key_value_heads=1))
-
-
-@pytest.fixture(scope="session")
-def small(tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "tiny-cache"
-    return policy.load_policy("tiny", cache_dir=str(cache), progress=False, tiny=SMALL)
-
 
 # ----------------------------------------------------------------------------- device, dtype
 
@@ -71,115 +54,6 @@ def test_setup_device_threads_on_cpu_and_no_cudnn_attention_on_cuda():
         torch.backends.cuda.enable_cudnn_sdp(cudnn)
 
 
-# ----------------------------------------------------------------------------- the tiny tokenizer
-
-def test_tiny_tokenizer_is_word_level_and_exact(small):
-    _, tok, path = small
-    assert "Qwen2" not in type(tok).__name__   # the saved word-level tokenizer, not transformers 5's Qwen2 BPE
-    text = ("Turn 2:\nState:\n######\n#_OX√#\n#P___#\n######\nYou have 6 actions left.\n"
-            "<think> I pick my moves at random. </think> <answer> Up || Down </answer>")
-    ids = tok(text, add_special_tokens=False)["input_ids"]
-    assert tok.decode(ids) == text
-    assert tok.unk_token_id not in ids
-    pieces = tok.convert_ids_to_tokens(ids)
-    assert pieces.count("\n") == text.count("\n")            # grid rows stay apart
-    for tag in (" </think>", " <answer>", " </answer>", " ||"):
-        assert tag in pieces                                  # one token each, leading space included
-    assert tok.convert_ids_to_tokens(tok("<think>", add_special_tokens=False)["input_ids"]) == ["<think>"]
-    # the chat template round-trips through save/load
-    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
-    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == (
-        "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n<|im_start|>assistant\n")
-    assert tok.eos_token == "<|im_end|>" and tok.pad_token_id is not None
-
-
-def test_default_tiny_config_is_1_to_5M_parameters():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    with torch.device("meta"):
-        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=700, **policy.TINY_MODEL))
-    assert 1_000_000 <= sum(p.numel() for p in model.parameters()) <= 5_000_000
-
-
-# ----------------------------------------------------------------------------- the cached build
-
-def _weights(path):
-    from safetensors.torch import load_file
-    return load_file(str(Path(path) / "model.safetensors"))
-
-
-def test_tiny_build_is_cached_deterministic_and_keyed(tmp_path, monkeypatch):
-    a = policy.ensure_tiny(str(tmp_path / "a"), progress=False, **MICRO)
-    stamp = (Path(a) / "model.safetensors").stat().st_mtime_ns
-    assert policy.ensure_tiny(str(tmp_path / "a"), progress=False, **MICRO) == a          # a cache hit ...
-    assert (Path(a) / "model.safetensors").stat().st_mtime_ns == stamp                   # ... not a rebuild
-    b = policy.ensure_tiny(str(tmp_path / "b"), progress=False, **MICRO)
-    assert Path(a).name == Path(b).name
-    wa, wb = _weights(a), _weights(b)
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)          # same seed, same bits
-    # the key follows the config, the warm-up, the vocabulary (env texts) and the warm-up code's version
-    keyed = [
-        dict(MICRO, warmup={**MICRO["warmup"], "seed": 1}),
-        dict(MICRO, model_cfg={**MICRO["model_cfg"], "hidden_size": 32}),
-        dict(MICRO, envs=["bandit-rev"]),
-    ]
-    paths = {Path(policy.ensure_tiny(str(tmp_path / "a"), progress=False, **o)).name for o in keyed}
-    monkeypatch.setattr(policy, "TINY_VERSION", policy.TINY_VERSION + 1)
-    paths.add(Path(policy.ensure_tiny(str(tmp_path / "a"), progress=False, **MICRO)).name)
-    assert len(paths) == 4 and Path(a).name not in paths
-    # a different vocabulary: bandit-rev only swaps the roles, so add an env with other words
-    ws = policy.ensure_tiny(str(tmp_path / "a"), progress=False, **dict(MICRO, envs=["bandit", "sokoban"]))
-    assert json.loads((Path(ws) / "config.json").read_text())["vocab_size"] > \
-        json.loads((Path(a) / "config.json").read_text())["vocab_size"]
-
-
-def test_warm_up_also_models_the_observations(tmp_path):
-    """policy.py deviation 2: with obs_weight the warm-up also lowers the loss on the boards, not only the replies."""
-    cfg = dict(envs=["sokoban"], warmup=dict(episodes_per_env=16, steps=30, batch_tokens=1024, lr=2e-2),
-               model_cfg=MICRO["model_cfg"])
-    nll = {}
-    for w in (0.0, 1.0):
-        warmup = {**cfg["warmup"], "obs_weight": w}
-        path = policy.ensure_tiny(str(tmp_path), progress=False, **{**cfg, "warmup": warmup})
-        model, tok, _ = policy.load_policy(path)
-        segs = [s for t in R.rollout("sokoban", list(range(5000, 5008)), list(range(8)), R.RolloutConfig(),
-                                     tokenizer=tok, agent=R.random_agent(random.Random(0)))
-                for s in t.segments]
-        ids, attn, mask = policy.pad_segments(segs, tok.pad_token_id)
-        with torch.no_grad():
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-        tok_nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-        obs = attn[:, 1:] * (1 - mask[:, 1:])
-        reply = mask[:, 1:]
-        nll[w] = ((tok_nll * obs).sum() / obs.sum()).item(), ((tok_nll * reply).sum() / reply.sum()).item()
-    assert nll[1.0][0] < nll[0.0][0] - 1.0, nll   # the observations: learned only with the term
-    assert nll[1.0][1] < nll[0.0][1] + 0.2, nll   # ... at no cost to the replies
-
-
-def test_tiny_builds_and_loads_offline(tmp_path):
-    """No network: the hub is switched off and every socket connect raises; build, then load the cached copy."""
-    code = textwrap.dedent(f"""
-        import json, socket, sys
-        def no_network(*a, **k):
-            raise OSError("network access attempted")
-        socket.socket.connect = no_network
-        socket.create_connection = no_network
-        sys.path.insert(0, {str(ROOT)!r})
-        import torch, policy
-        torch.set_num_threads(1)
-        tiny = json.loads({json.dumps(json.dumps(MICRO))})
-        m1, tok, p1 = policy.load_policy("tiny", cache_dir={str(tmp_path)!r}, progress=False, tiny=tiny)
-        m2, tok2, p2 = policy.load_policy("tiny", cache_dir={str(tmp_path)!r}, progress=False, tiny=tiny)
-        same = all(torch.equal(a, b) for a, b in zip(m1.state_dict().values(), m2.state_dict().values()))
-        print(json.dumps(dict(p1=p1, p2=p2, same=same, cls=type(m2).__name__, tok=type(tok2).__name__)))
-    """)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res["p1"] == res["p2"] and res["same"]
-    assert res["cls"] == "Qwen2ForCausalLM" and "Qwen2" not in res["tok"]
-
-
 # ----------------------------------------------------------------------------- the Hugging Face path
 
 def _qwen_like_folder(folder: Path):
@@ -199,7 +73,7 @@ def _qwen_like_folder(folder: Path):
         vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    tok.chat_template = policy.CHAT_TEMPLATE
+    tok.chat_template = prior.CHAT_TEMPLATE
     tok.save_pretrained(folder)
     cfg_file = folder / "tokenizer_config.json"
     cfg = json.loads(cfg_file.read_text())
@@ -251,8 +125,8 @@ def test_load_policy_errors(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------- the critic
 
-def test_critic_shape_alignment_and_round_trip(small, tmp_path):
-    model, tok, path = small
+def test_critic_shape_alignment_and_round_trip(small, small_path, tmp_path):
+    (model, tok), path = small, small_path
     critic = policy.load_critic(path)
     # the backbone is a separate copy of the policy's: same weights, different tensors
     pol = dict(model.base_model.named_parameters())

@@ -3,8 +3,8 @@ history windows, stopping, the scripted agents and the dump.
 
 Run from the repository root:  python -m pytest -q tests/test_rollout.py   (about 45 s on one core)
 
-Model-driven tests use a SMALL tiny policy (2 envs, ~80k parameters, seconds to build), cached for the session in
-pytest's temporary folder; its replies are a mix of well-formed and broken ones, which is what these tests need.
+Model-driven tests use `small` (tests/conftest.py): a SMALL tiny policy (2 envs, ~80k parameters, seconds to
+build); its replies are a mix of well-formed and broken ones, which is what these tests need.
 """
 import copy
 import random
@@ -24,19 +24,7 @@ from transformers import DynamicCache  # noqa: E402
 
 torch.set_num_threads(1)  # on 2-core machines, 2 threads made small-model forward+backward erratic and slower
 
-# The same SMALL build as tests/test_policy.py (same dict, same cache folder: built once per session).
-SMALL = dict(envs=["bandit", "sokoban"],
-             warmup=dict(episodes_per_env=32, steps=80, batch_tokens=2048, lr=2e-2),
-             model_cfg=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                            num_key_value_heads=1))
 SEEDS = list(range(123, 139))
-
-
-@pytest.fixture(scope="session")
-def small(tmp_path_factory):
-    cache = tmp_path_factory.getbasetemp() / "tiny-cache"
-    model, tok, _ = policy.load_policy("tiny", cache_dir=str(cache), progress=False, tiny=SMALL)
-    return model, tok
 
 
 def chaotic_model(tok, seed: int):
@@ -452,133 +440,6 @@ def test_rollout_needs_a_tokenizer_to_replay(small):
         R.rollout("sokoban", [1], [0], R.RolloutConfig(), replies=[[[1]]])
 
 
-def test_hindsight_groups_relabel_each_room_with_a_goal_one_of_its_rollouts_reached(small):
-    """train.py --hindsight: one group per room that saw a box move (ids G + g, N members, the room's seed), its goal
-    one its rollouts reached, at least one replay succeeding; each replay re-sends a loop-free subset of its rollout's
-    turns (no state visited twice, the same final state)."""
-    import train
-    _, tok = small
-    cfg = train.derive(train.Config(env="sokoban", prompts=8, rollouts=4, hindsight=True, think=False,
-                                    context_turns=1, max_turns=10, max_actions_per_turn=1))
-    rcfg = train.rollout_config(cfg, 1.0)
-    seeds = [5000 + g for g in range(8) for _ in range(4)]
-    trajs = R.rollout("sokoban", seeds, [g for g in range(8) for _ in range(4)], rcfg, tokenizer=tok,
-                      agent=R.random_agent(random.Random(1)))
-    hind = train.hindsight_rollouts(cfg, 3, trajs, tok, rcfg, {})
-    assert [s.input_ids for t in hind for s in t.segments] == \
-        [s.input_ids for t in train.hindsight_rollouts(cfg, 3, trajs, tok, rcfg, {}) for s in t.segments]
-    moved = {g for g in range(8) if any(t.reached_goal for t in trajs[4 * g:4 * g + 4])}
-    assert len(moved) >= 4 and {t.group_id - 8 for t in hind} == moved and len(hind) == 4 * len(moved)
-    env = make_env("sokoban")
-    for g in moved:
-        group, src = hind[4 * sorted(moved).index(g):][:4], trajs[4 * g:4 * g + 4]
-        assert {t.goal for t in group} <= {t.reached_goal for t in src} and any(t.success for t in group)
-        for h, t in zip(group, src):
-            assert h.seed == t.seed == 5000 + g and h.goal is not None
-            kept = train.loop_free_turns(env, t)
-            assert [x.tokens for x in h.turns] == [t.turns[k].tokens for k in (kept or [0])][:len(h.turns)]
-            env.reset(t.seed)
-            states = [env.render()]
-            for k in kept:
-                for a in t.turns[k].actions:
-                    env.step(a)
-                states.append(env.render())
-            assert len(set(states)) == len(states)  # no state twice on the loop-free path
-            env.reset(t.seed)
-            for turn in t.turns:
-                for a in turn.actions:
-                    env.step(a)
-            assert env.render() == states[-1]  # it ends where the rollout ended
-
-
-def test_hindsight_demos_replay_each_moving_rollout_as_a_success_with_rendered_replies(small):
-    """train.py --hindsight-imitation's data (GCSL): one demo per rollout that moved the box or solved the room, in its
-    own room with the target where it left the box (a solved room keeps its own), every demo a success; its replies
-    are the loop-free turns' actions rendered as RAGEN re-renders a parsed reply, one training row per turn."""
-    import train
-    _, tok = small
-    cfg = train.derive(train.Config(env="sokoban"))
-    rcfg = train.rollout_config(cfg, 1.0)
-    seeds = [6000 + g for g in range(8) for _ in range(4)]
-    trajs = R.rollout("sokoban", seeds, [g for g in range(8) for _ in range(4)], rcfg, tokenizer=tok,
-                      agent=R.random_agent(random.Random(2)))
-    demos = train.hindsight_demos(cfg, trajs, tok, rcfg, {})
-    env = make_env("sokoban")
-    sources = [t for t in trajs if (t.reached_goal is not None or t.success) and train.loop_free_turns(env, t)]
-    assert len(demos) == len(sources) >= 10 and all(d.success for d in demos)
-    for d, t in zip(demos, sources):
-        assert d.seed == t.seed and d.goal == (None if t.success else t.reached_goal)
-        kept = train.loop_free_turns(env, t)
-        rendered = [R.scripted_reply(t.turns[k].actions, "", rcfg) for k in kept]
-        assert [turn.tokens for turn in d.turns] == \
-            [tok(r, add_special_tokens=False).input_ids for r in rendered][:len(d.turns)]
-        assert len(d.segments) == len(d.turns)  # a one-turn window: one row per turn
-
-
-def test_hindsight_demos_with_think_say_what_the_relabelled_board_shows(small):
-    """With --think a demo's thought is rewritten in the expert's words and is true of the replayed room: where the
-    player and box are and the target where the rollout left the box, the first push of the demo's moves from
-    there, the turn's moves. The sampled thought read the original target, so keeping it would teach a misreading."""
-    import train
-    _, tok = small
-    cfg = train.derive(train.Config(env="sokoban", think=True))
-    rcfg = train.rollout_config(cfg, 1.0)
-    seeds = [6100 + g for g in range(8) for _ in range(4)]
-    trajs = R.rollout("sokoban", seeds, [g for g in range(8) for _ in range(4)], rcfg, tokenizer=tok,
-                      agent=R.random_agent(random.Random(3)))
-    demos = train.hindsight_demos(cfg, trajs, tok, rcfg, {})
-    relabelled = [d for d in demos if d.goal is not None]
-    assert len(relabelled) >= 5 and all(d.success for d in demos)
-    env = make_env("sokoban")
-    for d in demos:
-        env.reset(d.seed)
-        if d.goal is not None:
-            env.set_goal(d.goal)
-        for turn in d.turns:
-            thought = turn.reply.split("</think>")[0].removeprefix("<think>").strip()
-            assert thought.startswith(env.describe() + ".")
-            if d.goal is not None:
-                assert f"target at {d.goal[0] // env.size + 1} {d.goal[0] % env.size + 1}" in thought
-            assert thought.endswith("I pick my moves: " + ", ".join(turn.actions) + ".")
-            for a in turn.actions:
-                if not env.done:
-                    env.step(a)
-        assert env.done  # the replay solves the relabelled room
-
-
-def test_imitation_demos_best_keeps_each_rooms_shortest_solved_rollout(small):
-    """--imitation-demos best (expert iteration / rejection sampling): one demo per room that some rollout solved,
-    that of the fewest actions (the first of equals), in its own room, its loop-free turns; no relabelling."""
-    import train
-    _, tok = small
-    cfg = train.derive(train.Config(env="sokoban", imitation_demos="best"))
-    rcfg = train.rollout_config(cfg, 1.0)
-    rng = random.Random(13)
-
-    def noisy_expert(env, actions_left, cfg):  # solves some rooms, in more or fewer moves
-        return [env.expert_action() if rng.random() < 0.35 else rng.choice(env.actions)], ""
-
-    groups = [6200 + g for g in range(10)]
-    trajs = R.rollout("sokoban", [s for s in groups for _ in range(4)], [g for g in range(10) for _ in range(4)],
-                      rcfg, tokenizer=tok, agent=noisy_expert)
-    n_actions = [sum(len(turn.actions) for turn in t.turns) for t in trajs]
-    want = {}
-    for t, n in zip(trajs, n_actions):
-        if t.success and (t.group_id not in want or n < want[t.group_id][0]):
-            want[t.group_id] = (n, t)
-    assert 2 <= len(want) < 10  # some rooms solved, some not: the test tells the two apart
-    env = make_env("sokoban")
-
-    def moves(t):
-        return [t.turns[k].actions for k in train.loop_free_turns(env, t)]
-    assert any(len({str(moves(t)) for t in trajs if t.group_id == g and t.success}) > 1 for g in want)  # a choice
-    demos = train.hindsight_demos(cfg, trajs, tok, rcfg, {})
-    assert [d.seed for d in demos] == [t.seed for _, t in want.values()]
-    for d, (_, t) in zip(demos, want.values()):
-        assert d.goal is None and d.success
-        assert [turn.actions for turn in d.turns] == moves(t)
-
-
 def test_sokoban_note_names_the_first_push_of_any_moves():
     """`note(moves)` says where things are, then the first of the moves that pushes the box (bumps and steps first
     are skipped); on the expert's own plan it is `expert_note()`."""
@@ -587,53 +448,3 @@ def test_sokoban_note_names_the_first_push_of_any_moves():
     assert env.note(["Up", "Left", "Down", "Left"]) == env.describe() + ". I push the box Left: I go to 4 5"
     assert env.note(["Up", "Down"]) == env.describe()  # no push
     assert env.note(["Left"]) == env.expert_note()
-
-
-def test_imitate_takes_the_supervised_step(small):
-    """Hindsight imitation is supervised learning: one mini-batch, plain SGD and no clipping move the weights by
-    exactly -lr x the gradient of the token-mean negative log-likelihood of the demos' replies."""
-    import train
-    from starpo import UpdateConfig
-    model, tok = copy.deepcopy(small[0]), small[1]
-    cfg = train.derive(train.Config(env="sokoban", hindsight_imitation=1))
-    rcfg = train.rollout_config(cfg, 1.0)
-    trajs = R.rollout("sokoban", [7000, 7001, 7002], [0, 1, 2], rcfg, tokenizer=tok,
-                      agent=R.random_agent(random.Random(0)))
-    demos = train.hindsight_demos(cfg, trajs, tok, rcfg, {})
-    rows = [s for d in demos for s in d.segments]
-    assert 0 < len(rows) <= 64
-    ref = copy.deepcopy(model).float()
-    ids, attn, mask = policy.pad_segments(rows, tok.pad_token_id)
-    logits = ref(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
-    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-    ((nll * mask[:, 1:]).sum() / mask[:, 1:].sum()).backward()
-    model.train()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    m = train.imitate(cfg, 0, demos, model, opt, UpdateConfig(mini_batch=64, max_grad_norm=1e9), tok.pad_token_id,
-                      torch.device("cpu"), None)
-    assert m["imitation/optimizer_steps"] == 1 and m["imitation/rows"] == len(rows)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        before = dict(small[0].named_parameters())[name]
-        torch.testing.assert_close(p - before, -0.1 * q.grad, atol=1e-6, rtol=1e-4, msg=name)
-
-
-def test_a_run_with_hindsight_imitation_resumes_as_if_uninterrupted(small, tmp_path):
-    """The imitation's optimizer is checkpointed: 2 iterations, then --resume to 3, log what 3 uninterrupted log."""
-    import json
-    import train
-    model, tok = small
-    model.save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
-    common = ["--env", "sokoban", "--model", str(tmp_path / "m"), "--hindsight-imitation", "2", "--no-think",
-              "--context-turns", "1", "--max-turns", "6", "--max-actions-per-turn", "1", "--prompts", "8",
-              "--rollouts", "2", "--filter", "0.5", "--lr", "1e-3", "--eval-every", "0", "--eval-prompts", "4",
-              "--save-every", "1", "--dump-trajectories", "0"]
-    train.main(common + ["--steps", "3", "--out", str(tmp_path / "a")])
-    train.main(common + ["--steps", "2", "--out", str(tmp_path / "b")])
-    train.main(["--resume", str(tmp_path / "b"), "--steps", "3"])
-    a, b = ([json.loads(x) for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()] for r in "ab")
-    assert [r["step"] for r in b] == [1, 2, 3] and all(r["imitation/optimizer_steps"] > 0 for r in a)
-    for ra, rb in zip(a, b):
-        for k, v in ra.items():
-            if not k.startswith("time/"):
-                assert rb[k] == pytest.approx(v, rel=1e-6, abs=1e-9), (ra["step"], k)

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval as eval_py  # noqa: E402
 import policy  # noqa: E402
+import prior  # noqa: E402
 import sft_baseline as sft  # noqa: E402
 from envs import EVAL_SEEDS, make_env  # noqa: E402
 from rollout import (RolloutConfig, expert_agent, header_text, prefill, rollout, turn_close,  # noqa: E402
@@ -108,7 +109,7 @@ def expert_tokenizer(envs, cfgs):
         for cfg in cfgs:
             for t in rollout(env, list(range(1000, 1012)), list(range(12)), cfg, agent=expert_agent(2)):
                 texts += [m["content"] for m in t.messages]
-    return policy.build_tokenizer(texts)
+    return prior.build_tokenizer(texts)
 
 
 def runs(mask):
@@ -196,7 +197,7 @@ def test_unknown_words_names_what_the_tokenizer_lacks():
     trajs = rollout("sokoban", [1000, 1001], [0, 1], cfg, agent=expert_agent(2))
     texts = [f"{r}\n" for r in ("system", "user", "assistant")]
     texts += [m["content"].replace(" pick", "").replace(" my", "") for t in trajs for m in t.messages]
-    tok = policy.build_tokenizer(texts)
+    tok = prior.build_tokenizer(texts)
     assert sft.unknown_words(tok, sft.expert_trajectories("sokoban", [1000, 1001], cfg, tok, 2)) == ["my", "pick"]
 
 
@@ -256,7 +257,7 @@ def test_bad_flag_is_one_line(capsys, flag, value):
 
 @pytest.fixture(scope="module")
 def tiny_path(tmp_path_factory):
-    return policy.ensure_tiny(cache_dir=str(tmp_path_factory.mktemp("tiny")), progress=False,
+    return prior.ensure_tiny(cache_dir=str(tmp_path_factory.mktemp("tiny")), progress=False,
                               warmup=dict(steps=30, episodes_per_env=40),
                               model_cfg=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2),
                               envs=["sokoban", "frozenlake"])

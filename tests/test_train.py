@@ -133,27 +133,36 @@ def test_presets_and_explicit_flags():
     cfg, _ = cli.parse(train.Config, ["--preset", "starpo", "--clip-high", "0.3"], presets=train.PRESETS)
     assert cfg.clip_high == 0.3 and cfg.filter == 1.0
     cfg = train.derive(cli.parse(train.Config, [], presets=train.PRESETS)[0])
-    assert (cfg.filter, cfg.kl_coef, cfg.clip_low, cfg.clip_high, cfg.groups_kept) == (0.25, 0.0, 0.2, 0.28, 8)
+    assert (cfg.filter, cfg.kl_coef, cfg.clip_low, cfg.clip_high, cfg.groups_kept) == (0.25, 0.0, 0.2, 0.28, 2)
     assert cfg.lr == train.MODEL_DEFAULTS["tiny"]["lr"] and cfg.micro_batch == 16
     assert train.derive(cli.parse(train.Config, ["--micro-batch", "2"])[0]).micro_batch == 2
     cfg = train.derive(cli.parse(train.Config, ["--model", "Qwen/Qwen2.5-0.5B-Instruct"])[0])
     assert (cfg.lr, cfg.critic_lr, cfg.micro_batch) == (1e-6, 1e-5, 4)
 
 
-def test_the_tiny_policy_on_sokoban_has_its_own_rendering_and_batch_every_other_case_the_papers():
+def test_the_main_command_runs_the_papers_starpo_s_on_every_model():
+    """No model has a rendering or batch of its own (issue 41): the paper's everywhere; only sizes differ."""
     import cli
     parse = lambda args: train.derive(cli.parse(train.Config, args, presets=train.PRESETS)[0])  # noqa: E731
-    keys = ("think", "context_turns", "max_turns", "max_actions_per_turn", "prompts", "rollouts",
-            "hindsight_imitation", "imitation_lr", "steps", "eval_prompts")
+    keys = ("think", "context_turns", "max_turns", "max_actions_per_turn", "max_actions", "prompts", "rollouts",
+            "filter", "kl_coef", "clip_low", "clip_high", "format_penalty", "hindsight_imitation")
+    paper = (True, 0, 5, 5, 10, 8, 16, 0.25, 0.0, 0.2, 0.28, -0.1, 0)
     get = lambda c: tuple(getattr(c, k) for k in keys)  # noqa: E731
-    assert get(parse([])) == (False, 1, 10, 1, 32, 4, 3, 2.5e-4, 30, 256) == get(parse(["--env", "sokoban-large"]))
-    assert get(parse(["--env", "bandit"])) == (True, 0, 5, 5, 8, 16, 0, 5e-4, 30, 128)
-    assert get(parse(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])) == (True, 0, 5, 5, 8, 16, 0, 5e-4, 200, 256)
-    typed = parse(["--think", "--prompts", "8", "--rollouts", "16", "--hindsight-imitation", "0", "--steps", "9",
-                   "--imitation-lr", "1e-3"])
-    assert get(typed)[:1] + get(typed)[4:9] == (True, 8, 16, 0, 1e-3, 9)
-    assert get(parse(["--preset", "starpo-s"])) == (True, 0, 5, 5, 8, 16, 0, 5e-4, 30, 128)  # the paper's, all of it
-    assert get(parse(["--preset", "starpo", "--max-turns", "10"]))[2] == 10
+    main = parse(["--env", "sokoban", "--algo", "grpo", "--filter", "0.25"])
+    for args in ([], ["--env", "bandit"], ["--model", "Qwen/Qwen2.5-0.5B-Instruct"], ["--preset", "starpo-s"]):
+        assert get(parse(args)) == paper == get(main), args
+    assert (main.steps, main.eval_prompts, main.imitation_lr) == (30, 128, 2.5e-4)
+    hub = parse(["--model", "Qwen/Qwen2.5-0.5B-Instruct"])
+    assert (hub.steps, hub.eval_prompts, hub.imitation_lr, hub.max_new_tokens) == (200, 256, 5e-4, 400)
+    assert train.describe(main, "cpu") == ("StarPO-S: GRPO, top 25% of 8 groups by reward std, no KL, clip 0.2/0.28 "
+                                           "| sokoban | tiny policy | cpu")
+    starpo = parse(["--preset", "starpo", "--algo", "ppo", "--env", "bandit"])
+    assert train.describe(starpo, "cuda").startswith("StarPO: PPO, all 8 groups by reward std, KL 0.001 (in the "
+                                                     "rewards), clip 0.2/0.2 | bandit")
+    gcsl = parse(["--hindsight-imitation", "3", "--no-think", "--max-actions-per-turn", "1"])
+    assert "+ hindsight imitation x3 (GCSL, beyond the paper)" in train.describe(gcsl, "cpu")
+    assert train.method_name(parse(["--filter", "1.0"])) == "StarPO (modified)"
+    assert parse(["--preset", "starpo", "--max-turns", "10"]).max_turns == 10
 
 
 def test_a_trained_model_folder_lends_its_rendering_unless_a_flag_is_typed(tmp_path, capsys):
@@ -184,17 +193,20 @@ def test_plot_writes_png(bandit_tiny, tmp_path):
 
 
 def test_echo_monitor_fires_on_each_signal():
-    mon = train.EchoMonitor()
+    from monitor import EchoMonitor, echo_check, watch
+    mon = EchoMonitor()
     quiet = {"rollout/in_group_std": 1.0, "train/grad_norm": 1.0, "train/entropy": 2.0}
     for _ in range(6):
-        assert train.echo_check(mon, dict(quiet)) == {}
-    fired = [train.echo_check(mon, {**quiet, "rollout/in_group_std": 0.01}) for _ in range(10)]
+        assert echo_check(mon, dict(quiet)) == {}
+    fired = [echo_check(mon, {**quiet, "rollout/in_group_std": 0.01}) for _ in range(10)]
     assert list(fired[-1]) == ["std_collapse"] and "reward std" in fired[-1]["std_collapse"] and not any(fired[:9])
-    mon = train.EchoMonitor()
+    mon = EchoMonitor()
     for _ in range(6):
-        train.echo_check(mon, dict(quiet))
-    w = train.echo_check(mon, {**quiet, "train/grad_norm": 50.0, "train/entropy": 4.0})
-    assert set(w) == {"grad_spike", "entropy_swing"} and "grad norm" in w["grad_spike"]
+        echo_check(mon, dict(quiet))
+    m = {**quiet, "train/grad_norm": 50.0, "train/entropy": 4.0}
+    w = watch(mon, m)
+    assert len(w) == 2 and "grad norm" in w[0] and "entropy" in w[1]
+    assert m["echo/warnings"] == 2 and m["echo/grad_spike"] == m["echo/entropy_swing"] == 1
 
 
 def test_wilson_interval():

@@ -1,0 +1,67 @@
+"""The Echo Trap monitor (paper section 4.1): the early-warning signals of a collapsing multi-turn RL run.
+
+The paper's order of events: the in-group reward std collapses first (every rollout of a prompt earns the same),
+then the gradient norm spikes and the entropy swings, and the policy repeats one template. `echo_check` watches
+those signals on each iteration's metrics and says which fired; `train.py --stop-on-collapse` ends the run there.
+
+Deviations from the paper / RAGEN (deliberate):
+1. The paper plots the signals; the thresholds that turn them into warnings are this codebase's (echo_check's
+   defaults: std below 0.1x its first 5 iterations' mean for 10 iterations, grad norm above 5x its running
+   median, entropy more than 50% away from its running median). RAGEN has no such monitor.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass
+class EchoMonitor:
+    """The paper's early-warning signals (section 4.1): reward std collapse, grad-norm spikes, entropy swings."""
+    std_history: list = field(default_factory=list)
+    grad_history: list = field(default_factory=list)
+    ent_history: list = field(default_factory=list)
+    low_std_run: int = 0
+
+
+def echo_check(mon: EchoMonitor, m: dict, baseline_iters: int = 5, std_ratio: float = 0.1, patience: int = 10,
+               grad_factor: float = 5.0, ent_swing: float = 0.5, window: int = 20) -> dict[str, str]:
+    """Update the monitor with one iteration's metrics; -> {signal: warning} for the signals that fired
+    (std_collapse, grad_spike, entropy_swing; empty when all is well)."""
+    warnings = {}
+    std = m.get("rollout/in_group_std")
+    if std is not None:
+        mon.std_history.append(std)
+        if len(mon.std_history) > baseline_iters:
+            base = statistics.fmean(mon.std_history[:baseline_iters])
+            mon.low_std_run = mon.low_std_run + 1 if std < std_ratio * base else 0
+            if mon.low_std_run >= patience:
+                warnings["std_collapse"] = (f"reward std {std:.4f} < {std_ratio}x its early level {base:.4f} "
+                                            f"for {mon.low_std_run} iterations")
+    g = m.get("train/grad_norm")
+    if g is not None and math.isfinite(g):
+        past = mon.grad_history[-window:]
+        if len(past) >= 5 and g > grad_factor * statistics.median(past):
+            warnings["grad_spike"] = (f"grad norm {g:.3g} > {grad_factor}x its running median "
+                                      f"{statistics.median(past):.3g}")
+        mon.grad_history.append(g)
+    e = m.get("train/entropy")
+    if e is not None and math.isfinite(e):
+        past = mon.ent_history[-window:]
+        med = statistics.median(past) if len(past) >= 5 else None
+        if med is not None and abs(e - med) > ent_swing * med:
+            warnings["entropy_swing"] = (f"entropy {e:.3g} swung by more than {ent_swing:.0%} from its running "
+                                         f"median {med:.3g}")
+        mon.ent_history.append(e)
+    return warnings
+
+
+
+def watch(mon: EchoMonitor, m: dict) -> list[str]:
+    """echo_check on one iteration's metrics, its verdict logged into them (echo/warnings, echo/SIGNAL = 1).
+    -> the warnings' texts."""
+    warnings = echo_check(mon, m)
+    m["echo/warnings"] = len(warnings)
+    m.update({f"echo/{signal}": 1 for signal in warnings})
+    return list(warnings.values())
