@@ -6,11 +6,7 @@ Run from the repository root:  python -m pytest -q tests/test_policy.py   (about
 `small` (tests/conftest.py) is a SMALL tiny-policy build (2 envs, ~80k parameters, seconds to build).
 """
 import json
-import os
-import random
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest

@@ -1,0 +1,52 @@
+"""Tests for eval.py: the scripted floor and ceiling, the markdown table, --samples pooling, Wilson intervals.
+
+    python -m pytest -q tests/test_eval.py
+"""
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from eval import wilson  # noqa: E402
+from test_train import run  # noqa: E402
+
+
+def test_eval_scripted_floor_and_ceiling_and_table(tmp_path):
+    p = run([str(ROOT / "eval.py"), "--envs", "sokoban,frozenlake", "--policy", "expert", "--prompts", "32",
+             "--json", str(tmp_path / "x.json")], tmp_path)
+    res = json.loads((tmp_path / "x.json").read_text())["results"]
+    assert res["sokoban"]["success"] >= 0.95 and res["sokoban"]["valid_action"] == 1.0
+    assert "| sokoban |" in p.stdout and "| frozenlake |" in p.stdout
+    run([str(ROOT / "eval.py"), "--env", "sokoban", "--policy", "random", "--prompts", "32", "--json",
+         str(tmp_path / "r.json")], tmp_path)
+    assert json.loads((tmp_path / "r.json").read_text())["results"]["sokoban"]["success"] < 0.5
+    bad = run([str(ROOT / "eval.py"), "--envs", "sokoban,chess"], tmp_path, check=False)
+    assert bad.returncode == 2 and "chess" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize("policy", ["random", "MODEL"])
+def test_eval_samples_pool_one_eval_per_sampling_seed(policy, bandit_tiny, tmp_path, capsys):
+    import eval as eval_py
+    base = ["--env", "bandit", "--policy", bandit_tiny if policy == "MODEL" else policy, "--prompts", "16"]
+    one = [eval_py.main(base + ["--seed", str(s)])["bandit"] for s in (3, 4)]
+    assert one[0]["reward"] != one[1]["reward"]  # two sampling seeds, two different evals
+    both = eval_py.main(base + ["--seed", "3", "--samples", "2", "--json", str(tmp_path / "x.json")])["bandit"]
+    assert both["episodes"] == 32 and both["success_per_sample"] == [m["success"] for m in one]
+    assert both["success"] == (one[0]["success"] + one[1]["success"]) / 2
+    assert both["reward"] == pytest.approx((one[0]["reward"] + one[1]["reward"]) / 2)
+    assert (both["success_lo"], both["success_hi"]) == wilson(round(both["success"] * 32), 32)
+    saved = json.loads((tmp_path / "x.json").read_text())["results"]["bandit"]
+    assert saved["success_per_sample"] == both["success_per_sample"]
+    out = capsys.readouterr()
+    assert "per sample:" in out.err and "16 prompts x 2 sample(s)" in out.out
+
+
+def test_wilson_interval():
+    lo, hi = wilson(0, 256)
+    assert lo == 0 and 0 < hi < 0.02
+    lo, hi = wilson(128, 256)
+    assert lo < 0.5 < hi and hi - lo == pytest.approx(2 * 1.96 * math.sqrt(0.25 / 256), rel=0.02)
