@@ -11,9 +11,8 @@ so the loss mask is 1 exactly on the expert's reply tokens -> epochs of next-tok
 epochs, batches of 128 sequences, accumulated from micro-batches) -> one JSONL and one printed line per optimizer
 step -> test loss after each epoch, the lowest kept -> LoRA merged -> a `save_pretrained` folder eval.py loads.
 
-LoRA (Hu et al. 2021, eq. 3) is hand-written here: every linear layer of the transformer blocks (attention
-q/k/v/o and MLP gate/up/down; not the embeddings or the LM head) gets y = W x + (alpha / r) * B A x with W
-frozen, A random, B = 0, so training starts exactly at the pretrained model; export merges W + (alpha / r) B A.
+LoRA (`--lora-rank`, hand-written in lora.py) adapts every linear layer of the transformer blocks; the export
+merges it, so eval.py loads a plain model.
 
 Deviations from the paper / RAGEN (deliberate):
 1. `--model tiny` defaults: full fine-tuning (a rank-64 adapter is as large as its 128-wide layers), a 1-turn
@@ -40,13 +39,12 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import cli
 from checkpoint import save_final
 from envs import ENVS, train_seeds
 from eval import evaluate
+from lora import add_lora, merge_lora
 from rollout import Segment, default_reply_tokens, dump, expert_agent, prefill, rollout
 from starpo import make_optimizer, shared_prefix_len, token_logprobs
 from train import load_model_and_env, rollout_config
@@ -122,57 +120,6 @@ def derive(cfg: Config) -> Config:
     ])
     cfg.out = cfg.out if cfg.out is not None else f"runs/sft-{cfg.env}-s{cfg.seed}"
     return cfg
-
-
-# ------------------------------------------------------------------------------------------- LoRA
-
-class LoRALinear(nn.Module):
-    """y = base(x) + (alpha / r) * B A x (Hu et al. 2021, eq. 3); base frozen, A ~ nn.Linear's init, B = 0."""
-
-    def __init__(self, base: nn.Linear, rank: int, alpha: float):
-        super().__init__()
-        self.base = base.requires_grad_(False)
-        self.scale = alpha / rank
-        w = base.weight
-        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=w.device, dtype=w.dtype))  # [r, in]
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=w.device, dtype=w.dtype))  # [out, r]
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear (and peft): B = 0 keeps y = base(x)
-
-    def forward(self, x):
-        return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
-
-    @torch.no_grad()
-    def merged(self) -> nn.Linear:
-        """A plain nn.Linear with W + (alpha / r) B A (same bias): what save_pretrained writes."""
-        w = self.base.weight
-        out = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None,
-                        device=w.device, dtype=w.dtype)
-        out.weight.copy_(w + self.scale * (self.lora_B.float() @ self.lora_A.float()).to(w.dtype))
-        if self.base.bias is not None:
-            out.bias.copy_(self.base.bias)
-        return out
-
-
-def add_lora(model: nn.Module, rank: int, alpha: float) -> list[str]:
-    """Freeze `model` and wrap every nn.Linear except the LM head in a LoRALinear; -> the wrapped names."""
-    head = model.get_output_embeddings()
-    model.requires_grad_(False)
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head]
-    for name in names:
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, LoRALinear(getattr(owner, child), rank, alpha))
-    return names
-
-
-def merge_lora(model: nn.Module) -> int:
-    """Replace every LoRALinear by its merged nn.Linear (in place); -> how many were merged."""
-    names = [n for n, m in model.named_modules() if isinstance(m, LoRALinear)]
-    for name in names:
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent) if parent else model
-        setattr(owner, child, getattr(owner, child).merged())
-    return len(names)
 
 
 # ------------------------------------------------------------------------------------------- the data

@@ -241,7 +241,7 @@ def test_torchrun_train_same_weights_on_both_ranks_and_resume(bandit_tiny, tmp_p
     line = [l for l in p.stdout.splitlines() if l.startswith("weights identical on all 2 processes")]
     assert line, p.stdout[-2000:]
     # the digest both ranks agreed on is the digest of what rank 0 saved
-    saved = dist.weights_digest(load_policy(str(a / "final"), progress=False)[0],
+    saved = dist.weights_digest(load_policy(str(a / "final"))[0],
                                 load_critic(str(a / "ckpt-000003" / "critic")))
     assert line[0].endswith(f"(sha256 {saved})")
 

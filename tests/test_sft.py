@@ -18,6 +18,7 @@ import transformers
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval as eval_py  # noqa: E402
+import lora  # noqa: E402
 import policy  # noqa: E402
 import prior  # noqa: E402
 import sft_baseline as sft  # noqa: E402
@@ -47,27 +48,27 @@ def test_lora_equals_frozen_layer_at_init():
     model = small_qwen()
     ids = torch.randint(0, 48, (2, 9), generator=torch.Generator().manual_seed(1))
     before = logits(model, ids)
-    names = sft.add_lora(model, rank=4, alpha=8.0)
+    names = lora.add_lora(model, rank=4, alpha=8.0)
     kinds = {n.rsplit(".", 1)[-1] for n in names}
     assert kinds == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert len(names) == 7 * 2 and "lm_head" not in names
     layer = model.get_submodule(names[0])
-    assert isinstance(layer, sft.LoRALinear) and layer.scale == 2.0 and torch.all(layer.lora_B == 0)
+    assert isinstance(layer, lora.LoRALinear) and layer.scale == 2.0 and torch.all(layer.lora_B == 0)
     assert torch.equal(logits(model, ids), before)  # B = 0: exactly the pretrained function
 
 
 def test_only_lora_parameters_get_gradients():
     model = small_qwen()
-    sft.add_lora(model, rank=4, alpha=8.0)
-    lora = {n for n, p in model.named_parameters() if p.requires_grad}
-    assert lora and all(n.endswith(("lora_A", "lora_B")) for n in lora)
+    lora.add_lora(model, rank=4, alpha=8.0)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     opt = sft.make_optimizer(model, 1e-2)
-    assert sum(len(g["params"]) for g in opt.param_groups) == len(lora)
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(trainable)
     ids = torch.randint(0, 48, (2, 9), generator=torch.Generator().manual_seed(2))
     for _ in range(2):  # step 1 moves only B (A's gradient is 0 while B = 0), step 2 both
         logits(model, ids).logsumexp(-1).mean().backward()
-        assert {n for n, p in model.named_parameters() if p.grad is not None} == lora
+        assert {n for n, p in model.named_parameters() if p.grad is not None} == trainable
         opt.step()
         opt.zero_grad()
     for n, p in model.named_parameters():
@@ -79,7 +80,7 @@ def test_only_lora_parameters_get_gradients():
 def test_merged_equals_unmerged_and_saves_as_a_plain_model(tmp_path):
     model = small_qwen()
     plain_keys = set(model.state_dict())
-    sft.add_lora(model, rank=4, alpha=8.0)
+    lora.add_lora(model, rank=4, alpha=8.0)
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -88,9 +89,9 @@ def test_merged_equals_unmerged_and_saves_as_a_plain_model(tmp_path):
     ids = torch.randint(0, 48, (3, 11), generator=gen)
     with torch.no_grad():
         adapter = logits(model, ids)
-        assert sft.merge_lora(model) == 14
+        assert lora.merge_lora(model) == 14
         merged = logits(model, ids)
-    assert not any(isinstance(m, sft.LoRALinear) for m in model.modules())
+    assert not any(isinstance(m, lora.LoRALinear) for m in model.modules())
     assert (adapter - logits(small_qwen(), ids)).abs().max() > 1e-3  # the adapter does change the function
     torch.testing.assert_close(merged, adapter, rtol=1e-5, atol=1e-5)
     assert set(model.state_dict()) == plain_keys
@@ -284,7 +285,7 @@ def test_smoke_run_exports_the_lowest_test_loss_and_eval_loads_it(tiny_path, tmp
     assert result["best_test_loss"] == min([result["initial_test_loss"]] + tests)
     assert min(tests) < result["initial_test_loss"]  # it did learn something in 3 short epochs
     # the exported weights are the kept checkpoint: recompute its test loss from the folder
-    model, tok, _ = policy.load_policy(str(final), "cpu", progress=False)
+    model, tok, _ = policy.load_policy(str(final), "cpu")
     saved = json.loads((final / "train_config.json").read_text())
     cfg = sft.Config(**saved)
     rcfg = eval_py.rollout_config_for(str(final), eval_py.Config(temperature=0.5), "sokoban")

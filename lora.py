@@ -1,0 +1,66 @@
+"""LoRA (Hu et al. 2021), hand-written: a low-rank update beside each frozen linear layer, merged back for export.
+
+Every linear layer of the transformer blocks (attention q/k/v/o and MLP gate/up/down; not the embeddings or the LM
+head) gets y = W x + (alpha / r) * B A x (eq. 3) with W frozen, A random, B = 0, so training starts exactly at the
+pretrained model; `merge_lora` writes W + (alpha / r) B A into plain nn.Linear layers that save_pretrained exports.
+The paper's SFT baseline uses rank 64, alpha 32 (Appendix G; `sft_baseline.py --lora-rank`).
+
+Deviations from the paper / RAGEN (deliberate):
+1. None in the method; peft's defaults are followed where the paper is silent (A: nn.Linear's init, B: zeros).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class LoRALinear(nn.Module):
+    """y = base(x) + (alpha / r) * B A x (Hu et al. 2021, eq. 3); base frozen, A ~ nn.Linear's init, B = 0."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float):
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.scale = alpha / rank
+        w = base.weight
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=w.device, dtype=w.dtype))  # [r, in]
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=w.device, dtype=w.dtype))  # [out, r]
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear (and peft): B = 0 keeps y = base(x)
+
+    def forward(self, x):
+        return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
+
+    @torch.no_grad()
+    def merged(self) -> nn.Linear:
+        """A plain nn.Linear with W + (alpha / r) B A (same bias): what save_pretrained writes."""
+        w = self.base.weight
+        out = nn.Linear(self.base.in_features, self.base.out_features, bias=self.base.bias is not None,
+                        device=w.device, dtype=w.dtype)
+        out.weight.copy_(w + self.scale * (self.lora_B.float() @ self.lora_A.float()).to(w.dtype))
+        if self.base.bias is not None:
+            out.bias.copy_(self.base.bias)
+        return out
+
+
+def add_lora(model: nn.Module, rank: int, alpha: float) -> list[str]:
+    """Freeze `model` and wrap every nn.Linear except the LM head in a LoRALinear; -> the wrapped names."""
+    head = model.get_output_embeddings()
+    model.requires_grad_(False)
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head]
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, LoRALinear(getattr(owner, child), rank, alpha))
+    return names
+
+
+def merge_lora(model: nn.Module) -> int:
+    """Replace every LoRALinear by its merged nn.Linear (in place); -> how many were merged."""
+    names = [n for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        setattr(owner, child, getattr(owner, child).merged())
+    return len(names)
