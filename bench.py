@@ -479,7 +479,7 @@ def bench_noise(args) -> dict:
     t0, kept_rows = time.perf_counter(), []
     for it in range(args.noise_batches):
         trajs = train.iteration_rollouts(cfg, it, policy, tok, rcfg, env_overrides, device)
-        kept, _, _ = train.kept_trajectories(cfg, it, trajs, tok, rcfg, env_overrides)
+        kept, _, _ = train.filter_groups(cfg, trajs)
         batch, _ = train.prepare_batch(kept, cfg, policy, ref, critic, tok.pad_token_id, device, amp, on_eval=False)
         kept_rows.append(len(batch))
         sign = (torch.randint(0, 2, (len(batch), 1), generator=torch.Generator().manual_seed(it)) * 2 - 1).float()
