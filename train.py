@@ -414,8 +414,9 @@ def main(argv=None):
         # ---- processes (one under plain python; under torchrun one per GPU/CPU share), model, reference, critic
         device = dist.init(pick_device(cfg.device))
         if cfg.groups % dist.world_size():
-            raise ValueError(f"--prompts {cfg.prompts} x --online-k {cfg.online_k}: must be divisible by the number "
-                             f"of processes ({dist.world_size()}); a prompt group never splits across processes")
+            k = f" x --online-k {cfg.online_k}" if cfg.online_k > 1 else ""
+            raise ValueError(f"--prompts {cfg.prompts}{k}: must be divisible by the number of processes "
+                             f"({dist.world_size()}); a prompt group never splits across processes")
         setup_device(device, cfg.threads)
         policy, tok, path, env_overrides = load_model_and_env(cfg, device)
         critic = load_critic(path, device) if cfg.algo == "ppo" else None
