@@ -2,7 +2,12 @@
 
 An interrupted run loses nothing saved: `ckpt-STEP/` is written completely into a temp folder and renamed, and
 `latest` is repointed atomically, so a run stopped at any moment resumes from its last whole checkpoint
-(`python train.py --resume RUN`) and reproduces the uninterrupted run (train.py deviation 1).
+(`python train.py --resume RUN`) and reproduces the uninterrupted run (train.py deviation 1). The paper has no
+section on checkpoints; its runs (RAGEN on verl) save the actor, critic and optimizer states the same way.
+
+Deviations from the paper / RAGEN (deliberate):
+1. The two newest checkpoints are kept, older ones deleted (verl keeps every one unless told otherwise).
+2. The generators' states are not saved: every draw of iteration i derives from (seed, i) (train.py deviation 1).
 """
 from __future__ import annotations
 

@@ -125,11 +125,16 @@ def corpus(warmup: dict, envs: list[str]):
     return build_tokenizer(tok_texts), data, tok_texts
 
 
+def settings(warmup: dict | None, model_cfg: dict | None, envs: list[str] | None):
+    """The shipped recipe's settings with these overrides -> (warm-up, model config, envs)."""
+    return {**TINY_WARMUP, **(warmup or {})}, {**TINY_MODEL, **(model_cfg or {})}, envs or tiny_envs()
+
+
 def build(warmup: dict | None = None, model_cfg: dict | None = None, envs: list[str] | None = None,
           progress: bool = True):
     """The whole recipe: corpus, tokenizer, warm-up. -> (model, tokenizer)."""
-    warmup, model_cfg = {**TINY_WARMUP, **(warmup or {})}, {**TINY_MODEL, **(model_cfg or {})}
-    tok, data, _ = corpus(warmup, envs or tiny_envs())
+    warmup, model_cfg, envs = settings(warmup, model_cfg, envs)
+    tok, data, _ = corpus(warmup, envs)
     return warm_up(tok, data, model_cfg, warmup, progress), tok
 
 
@@ -138,7 +143,7 @@ def ensure_tiny(cache_dir: str, progress: bool = True, warmup: dict | None = Non
     """A tiny policy built with these settings in `cache_dir` (the tests' small builds, an added env's prior):
     the folder's name is a hash of everything the build depends on, so a second call with the same settings is a
     cache hit and a changed setting is a new build. -> its path."""
-    warmup, model_cfg, envs = {**TINY_WARMUP, **(warmup or {})}, {**TINY_MODEL, **(model_cfg or {})}, envs or tiny_envs()
+    warmup, model_cfg, envs = settings(warmup, model_cfg, envs)
     tok, data, tok_texts = corpus(warmup, envs)
     # the key: everything the build depends on (the corpus texts, hence the envs and the rollout's rendering;
     # the vocabulary, hence the tokenizer code; config, warm-up settings; TINY_VERSION for the warm-up code; the
@@ -228,7 +233,7 @@ def save(model, tok, out: Path) -> None:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         portable(tmp)
-        if out.exists() and out.name != "":
+        if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
     finally:
@@ -279,11 +284,7 @@ def main(argv=None):
     try:
         cfg, _ = cli.parse(Config, argv, description=__doc__.split("\n")[0])
         cli.check(cli.bounds(cfg))
-        out = Path(cfg.out)
-        if out.exists() and any(out.iterdir()) and not cfg.overwrite:
-            raise ValueError(f"--out {cfg.out}: a folder with files in it; choose another --out, or replace it "
-                             f"with --overwrite")
-        cli.run_folder(str(out), "--out", overwrite=True)
+        out = cli.run_folder(cfg.out, "--out", cfg.overwrite)  # a prior folder holds config.json, as a run's does
     except ValueError as e:
         cli.fail(str(e))
     torch.set_num_threads(1)
