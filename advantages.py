@@ -18,6 +18,18 @@ Deliberate deviations from the paper / RAGEN (which uses verl's estimators):
    advantage); with no group-mates there is no baseline, so no learning signal is the honest answer.
 4. `whiten` zeroes the output outside the mask (verl leaves whitened junk there) and needs at least two sampled
    tokens (the unbiased variance, as in verl's masked_whiten, is undefined for one).
+5. `bi_level_gae` (RAGEN's compute_bi_level_gae_advantage_return, ragen/trainer/core_algos.py) takes each turn's
+   end as given (`turn_ends`, from positions, as the mask is). RAGEN finds turn ends as the tokens with a non-zero
+   reward, so a turn whose reward is 0 is merged into the next one, and a row whose last sampled token has no
+   reward crashes its loop. Where the turn ends are exactly RAGEN's non-zero-reward tokens the two agree (tested).
+   A reward on a sampled token that ends no turn (e.g. a per-token KL penalty) enters the token-level TD error
+   of that token only, as RAGEN's token-level loop reads it; RAGEN would make that token a turn end.
+   RAGEN's own train.py (HEAD) refuses bi_level_gae with per-turn scores (`use_turn_scores`, "not correctly
+   supported yet"), so as RAGEN runs it the whole reward sits on the last token, its loop sees one turn (if that
+   reward is non-zero) and the result is plain GAE (the one-turn identity, tested); here per-turn rewards are
+   the point.
+6. `bi_level_gae` returns unwhitened advantages (RAGEN whitens inside; `whiten` is separate here, as for `gae`),
+   0 outside the mask and `returns = advantages + values` (RAGEN: returns 0 outside the mask), as `gae` does.
 """
 
 from __future__ import annotations
@@ -76,6 +88,60 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
             delta = rewards[:, t] + gamma * next_value - vals[:, t]  # [B]
             adv_t = delta + gamma * lam * running  # [B]
             on = sampled[:, t]  # [B]
+            # where, not arithmetic: a non-finite value on a skipped token must not leak into the chain
+            running = torch.where(on, adv_t, running)
+            next_value = torch.where(on, vals[:, t], next_value)
+            advantages[:, t] = torch.where(on, adv_t, 0.0)
+        returns = advantages + vals
+    return advantages, returns
+
+
+def bi_level_gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, turn_ends: torch.Tensor,
+                 gamma: float = 1.0, lam: float = 1.0,
+                 high_level_gamma: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
+    """RAGEN's bi-level GAE: a turn-level GAE over the turns of a trajectory, then a token-level GAE inside each
+    turn (deviations 5 and 6).
+
+    token_rewards, values, mask: [B, T] as for `gae`, each turn's reward on its last reply token (a turn-level
+    reward); turn_ends: [B, T] bool, True on the last sampled token of every turn (a subset of the mask that
+    includes each row's last sampled token). With turn ends e_1 < ... < e_K of a row:
+      turn level (high_level_gamma, lam): delta_k = r[e_k] + high_level_gamma * V[e_{k+1}] - V[e_k] (V[e_{K+1}] = 0),
+        A[e_k] = delta_k + high_level_gamma * lam * A[e_{k+1}];
+      token level (gamma, lam), restarting at every turn end: the turn end keeps A[e_k] (its reward replaced by the
+        turn-level return A[e_k] + V[e_k], with nothing after it); any other sampled token t, whose next sampled
+        token is t', gets delta_t = r[t] + gamma * V[t'] - V[t], A[t] = delta_t + gamma * lam * A[t'].
+    One turn: high_level_gamma never enters and the result is `gae` (tested).
+    Returns (advantages [B, T], 0 outside the mask, returns = advantages + values), unwhitened.
+    """
+    sampled = mask > 0  # [B, T]
+    ends = turn_ends.bool()  # [B, T]
+    if ends.shape != mask.shape:
+        raise ValueError(f"turn_ends must have the mask's shape {tuple(mask.shape)}, got {tuple(ends.shape)}")
+    if bool((ends & ~sampled).any()):
+        raise ValueError("turn_ends marks a token outside mask; a turn ends on its last sampled token")
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)  # [B, T]
+    if bool((torch.where(sampled, positions, -1).amax(dim=1) != torch.where(ends, positions, -1).amax(dim=1)).any()):
+        raise ValueError("each row's last sampled token must be a turn end (turn_ends), or tokens would be left "
+                         "outside every turn")
+    if bool(((token_rewards != 0) & ~sampled).any()):
+        raise ValueError("token_rewards has non-zero entries outside mask; rewards must sit on sampled tokens")
+    with torch.no_grad():
+        rewards = token_rewards.float()
+        vals = values.float()
+        B, T = mask.shape
+        zeros = torch.zeros(B, device=mask.device)
+        # one backward sweep does both levels: a turn end needs only later turn ends, a token only later tokens
+        next_end_value, running_turn = zeros, zeros  # [B] V and A at the next turn end (turn level)
+        next_value, running = zeros, zeros  # [B] V and A at the next sampled token (token level)
+        advantages = torch.zeros(B, T, device=mask.device)  # [B, T]
+        for t in reversed(range(T)):
+            turn_adv = rewards[:, t] + high_level_gamma * next_end_value - vals[:, t] \
+                + high_level_gamma * lam * running_turn  # [B] if t ends a turn
+            token_adv = rewards[:, t] + gamma * next_value - vals[:, t] + gamma * lam * running  # [B] otherwise
+            end, on = ends[:, t], sampled[:, t]
+            adv_t = torch.where(end, turn_adv, token_adv)
+            running_turn = torch.where(end, turn_adv, running_turn)
+            next_end_value = torch.where(end, vals[:, t], next_end_value)
             # where, not arithmetic: a non-finite value on a skipped token must not leak into the chain
             running = torch.where(on, adv_t, running)
             next_value = torch.where(on, vals[:, t], next_value)

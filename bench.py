@@ -9,9 +9,9 @@ Sections (a plain dict below, SECTIONS):
          (about 12 GB of RAM and about 10 minutes on one CPU thread). The default, 1 x 1024 tokens in chunks
          of 256 (the same 4 chunks per call), stays near two minutes on a 2-core laptop; at so few tokens the
          fixed 519 MiB weight gradient dominates the fused peak, so read the memory target at the reference shape.
-  rollout  generated tokens/s of rollout.rollout (all live episodes of a turn in one batch) against a loop that
-         runs one episode at a time, and against the batched loop without the shared prompt header
-         (RolloutConfig.share_prefix=False: every row prefills its whole prompt), for P = 8 prompts x N = 16
+  rollout  generated tokens/s of rollout.rollout on the engine (sampler.Engine: all live episodes of a turn in
+         one batch, each episode's KV cache kept) against the reference path (RolloutConfig.kv_cache=False: the
+         Hugging Face forward, every turn re-prefilled) batched and one episode at a time, for P = 8 prompts x N = 16
          rollouts on `--model` (default: the tiny policy) in Sokoban at temperature 1.0: medians of --repeats
          runs, and the ratios within each run.
   prefix forward + backward of starpo.token_logprobs on one batch of 32 SFT rows (1-turn Sokoban windows of

@@ -29,8 +29,8 @@ Deviations from the paper / RAGEN (deliberate):
    parsed reply and re-tokenises it); the template's end-of-turn marker follows (mask 0).
 3. Actions follow RAGEN's es_manager (`act_turn`), except that words after the last one run are not checked:
    in WebShop a word's validity depends on the page it meets.
-4. Decoding: sampler.py's own loop over `model.base_model` + the LM head (RAGEN: vLLM), each episode's KV cache
-   kept across its turns (`EpisodeCache`; a history window re-prefills): re-prefilling's math (`kv_cache=False`).
+4. Decoding: sampler.py's engine (RAGEN: vLLM), one static KV cache for all the episodes, each kept across its
+   turns; `kv_cache=False` re-prefills every turn with the Hugging Face forward (the reference path).
 5. The random agent draws each action among those valid after the previous ones (planned on a copy of the
    env): WebShop's clickables change with the page.
 6. RAGEN's prompt layout with shorter words (no "Strictly follow this format...", no answer examples), and the
@@ -47,7 +47,7 @@ import torch
 
 from envs import make_env
 from policy import autocast_dtype
-from sampler import EpisodeCache, generate
+from sampler import Engine, reference_generate, say_once, unsupported
 
 SYSTEM_PROMPT = "You're a helpful assistant."
 
@@ -68,8 +68,8 @@ class RolloutConfig:
     context_turns: int = 0
     max_new_tokens: int = 100
     temperature: float = 1.0  # 0 = greedy
-    share_prefix: bool = True  # prefill the rows' common prompt header once (speed only: same math, see generate)
-    kv_cache: bool = True  # keep each episode's KV cache across turns, prefill a group's first prompt once (speed)
+    kv_cache: bool = True  # sampler.Engine: each episode's KV cache kept across turns (speed only: same math)
+    cuda_graphs: bool = True  # on CUDA, the engine's decode step is a CUDA graph (speed only)
 
 
 @dataclass
@@ -292,13 +292,17 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
     user_msgs: list[list[str]] = [[] for _ in envs]   # user message of each turn (feedback + turn text)
     reply_texts: list[list[str]] = [[] for _ in envs]  # each episode's replies so far, as text
     running: list[Segment | None] = [None] * len(envs)  # the growing sequence when context_turns == 0
-    # Each episode's keys and values live across its turns, so a turn runs only its new tokens. A history window
-    # (context_turns > 0) moves the start of the prompt every turn, which changes every later position: there
-    # the whole window is prefilled again (its shared header still runs once).
-    keep = cfg.kv_cache and cfg.context_turns == 0 and model is not None
+    # The engine keeps each episode's keys and values across its turns, so a turn runs only its new tokens (a
+    # history window, context_turns > 0, keeps the unchanged start of the prompt and prefills the rest).
     device = next(model.parameters()).device if model is not None else None
     amp = autocast_dtype(device) if model is not None else None
-    past: list[EpisodeCache | None] = [None] * len(envs)
+    engine = None
+    if model is not None and cfg.kv_cache:
+        why = unsupported(model)
+        if why:
+            say_once(f"note: the rollout engine does not know {why}: sampling with the Hugging Face forward")
+        else:
+            engine = Engine(model, tokenizer, len(envs), graphs=cfg.cuda_graphs)
     limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)  # positions the model reads
     close = turn_close(tokenizer) if tokenizer is not None else None
     system = tokenizer(tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT}], tokenize=False),
@@ -324,7 +328,7 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
                 if limit is not None and n + cfg.max_new_tokens > limit:
                     # the reply could run past the model's positions: the episode ends before this turn
                     user_msgs[i].pop()
-                    trajs[i].truncated, past[i] = True, None
+                    trajs[i].truncated = True
                     continue
                 if cfg.context_turns == 0 and running[i] is not None:
                     running[i].append(add, 0)
@@ -343,11 +347,11 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
             sampled = [list(replies[i][k - 1]) for i in live]
         else:
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):  # bf16 on CUDA (policy.py)
-                sampled, caches = generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature, generator,
-                                           cfg.share_prefix, past=[past[i] for i in live], keep_cache=keep,
-                                           dedupe=cfg.kv_cache)
-            for j, i in enumerate(live):
-                past[i] = caches[j]
+                if engine is not None:
+                    sampled = engine.generate(live, prompts, cfg.max_new_tokens, cfg.temperature, generator)
+                else:
+                    sampled = reference_generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature,
+                                                 generator)
         if agent is None:  # a sampled end-of-turn token is not part of the reply's text: the chat template writes it
             texts = [tokenizer.decode(s[:-1] if s[-1] == tokenizer.eos_token_id else s, skip_special_tokens=False)
                      for s in sampled]
@@ -373,8 +377,6 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
             trajs[i].done = envs[i].done
             if not envs[i].done and left[i] > 0 and (replies is None or k < len(replies[i])):
                 still.append(i)
-            else:
-                past[i] = None  # the episode is over: free its cache
         live = still
     for i, t in enumerate(trajs):
         t.messages = window_messages(hdr[i], user_msgs[i], reply_texts[i], 0)

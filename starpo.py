@@ -10,6 +10,7 @@ Appendix C.2 (entropy bonus 0.001, KL 0.001 for StarPO and only tracked post-hoc
 Per sampled token t of a trajectory (mask[:, t] == 1):
     ratio_t = exp(logp_t - old_logp_t)                                   (log-ratio clamped to +-20)
     pg_t    = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high))
+              and, with dual clip c > 1 (verl's clip_ratio_c, off by default), min(pg_t, -A_t * c) where A_t < 0
     loss    = agg(pg) - entropy_coef * agg(entropy) + kl_coef * agg(kl(logp, ref_logp))
 where agg is a token mean over the mini-batch's sampled tokens (default). Log-probs and entropies come from
 `token_logprobs`; the default fused path never materialises the [B, T, V] logits (V = 151,936 for Qwen2.5).
@@ -20,7 +21,9 @@ token t; all right-padded [B, T] like the masks.
 
 Deliberate deviations from the paper / RAGEN (verl core_algos):
 1. `pg_clipfrac_upper` counts tokens clipped at 1 + eps_high (A > 0), `pg_clipfrac_lower` those at 1 - eps_low
-   (A < 0); verl's `pg_clipfrac_lower` is its dual-clip fraction (dual clip is not used by the paper, nor here).
+   (A < 0); verl's `pg_clipfrac_lower` is its dual-clip fraction, here `pg_clipfrac_dual` (logged by `update`
+   only with dual clip on). Dual clip (`dual_clip=c`, verl's clip_ratio_c, RAGEN's current runs: 3.0) is off by
+   default, as in the paper; verl always applies it (its assert c > 1 makes "off" impossible there).
 2. The loss is aggregated over the whole mini-batch (`--loss-agg`), so micro-batching changes nothing (paper-era
    verl averaged per-micro-batch token means); `seq-mean-*` divide by the rows with a sampled token (verl: all).
 3. Values outside the mask never reach a loss or a gradient (verl multiplies by the mask: NaN x 0 = NaN).
@@ -82,12 +85,23 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 # -------------------------------------------------------------------------------------------------------------- Losses
 
+def check_dual_clip(dual_clip: float | None) -> None:
+    """0 or None turns dual clip off; otherwise it must exceed 1, as verl asserts for clip_ratio_c."""
+    if dual_clip and not dual_clip > 1.0:
+        raise ValueError(f"dual_clip must be > 1 (verl's clip_ratio_c; 0 or None = off), got {dual_clip}")
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
                 clip_low: float = 0.2, clip_high: float = 0.28, agg: str = "token-mean",
-                denom: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                denom: torch.Tensor | float | None = None,
+                dual_clip: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate with decoupled clip bounds (Clip-Higher, section 4.2): pg_t of the module docstring
-    on [B, T] inputs, aggregated (`denom`: see `aggregate`). Returns (loss, metrics), metrics as 0-dim tensors
-    (token means over the mask, no host sync): pg_clipfrac(_upper, _lower), approx_kl (k1 to the old policy)."""
+    on [B, T] inputs, aggregated (`denom`: see `aggregate`). `dual_clip=c > 1` caps the loss of a token with A < 0
+    at -A * c (verl's dual-clip PPO, clip_ratio_c), so a huge ratio on a bad action cannot dominate the batch;
+    0 or None: off. Returns (loss, metrics), metrics as 0-dim tensors (token means over the mask, no host sync):
+    pg_clipfrac(_upper, _lower), pg_clipfrac_dual (tokens where the cap bites: 0 when off), approx_kl (k1 to the
+    old policy)."""
+    check_dual_clip(dual_clip)
     m = mask > 0
     # outside the mask: A = 0 and old = logp, so junk there (padding) cannot reach a gradient
     adv = torch.where(m, advantages.float(), 0.0)
@@ -97,10 +111,16 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss_tok = torch.maximum(unclipped, clipped)  # [B, T]
+    dual = torch.zeros_like(m)  # [B, T] where the dual clip's cap is the loss
+    if dual_clip:
+        cap = -adv * dual_clip  # [B, T]
+        dual = (adv < 0) & (loss_tok > cap)  # verl's pg_clipfrac_lower condition
+        loss_tok = torch.where(adv < 0, torch.minimum(cap, loss_tok), loss_tok)
     metrics = {
         "pg_clipfrac": masked_mean((clipped > unclipped).float(), mask),
         "pg_clipfrac_upper": masked_mean(((adv > 0) & (ratio > 1.0 + clip_high)).float(), mask),
         "pg_clipfrac_lower": masked_mean(((adv < 0) & (ratio < 1.0 - clip_low)).float(), mask),
+        "pg_clipfrac_dual": masked_mean(dual.float(), mask),
         "approx_kl": masked_mean(-log_ratio.detach(), mask),
     }
     return aggregate(loss_tok, mask, agg, denom), metrics
@@ -399,6 +419,7 @@ class UpdateConfig:
     value_clip: float = 0.5
     max_grad_norm: float = 1.0
     temperature: float = 1.0  # log-probs at the sampling temperature
+    dual_clip: float | None = None  # verl's clip_ratio_c (> 1; RAGEN's runs: 3.0); 0 or None = off (the paper)
     fused: bool = True
     chunk_size: int = 1024
 
@@ -453,6 +474,7 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     """
     if critic is not None and (critic_optimizer is None or batch.returns is None or batch.old_values is None):
         raise ValueError("a critic needs a critic_optimizer, batch.returns and batch.old_values")
+    check_dual_clip(cfg.dual_clip)
     rank, world = shard if shard is not None else (0, 1)
     if world > 1 and generator is None:
         raise ValueError("with shard, every rank needs the same `generator` (same mini-batches)")
@@ -474,7 +496,8 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
 
     zero = lambda: torch.zeros((), device=device)  # noqa: E731
     # totals over the steps actually taken: token sums of the token metrics, per-step sums of PER_STEP
-    keys = ["tokens", *TOKEN_METRICS, *PER_STEP]
+    # pg_clipfrac_dual only with dual clip on: without it the metrics are the paper's, as before
+    keys = ["tokens", *TOKEN_METRICS, *(("pg_clipfrac_dual",) if cfg.dual_clip else ()), *PER_STEP]
     totals = {k: zero() for k in keys}
     steps_taken = skipped = 0
 
@@ -500,7 +523,7 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
                 # no old_logp: the batch is one optimizer step on fresh rollouts, whose policy is this one
                 old_logp = mi.old_logp if mi.old_logp is not None else logp.detach()
                 pg, pm = policy_loss(logp, old_logp, mi.advantages, mi.loss_mask, cfg.clip_low, cfg.clip_high,
-                                     cfg.agg, denom=denom)
+                                     cfg.agg, denom=denom, dual_clip=cfg.dual_clip)
                 loss = pg - cfg.entropy_coef * aggregate(ent, mi.loss_mask, cfg.agg, denom)
                 if has_ref:
                     kl_tok = kl_penalty(logp, mi.ref_logp, cfg.kl_kind)  # [b, T]
@@ -515,7 +538,8 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
                 step["pg_loss"] += pg.detach()
                 step["entropy"] += masked_mean(ent.detach(), mi.loss_mask) * n_tok
                 for k, v in pm.items():
-                    step[k] += v * n_tok  # token means back to token sums
+                    if k in step:  # pg_clipfrac_dual is a key only with dual clip on
+                        step[k] += v * n_tok  # token means back to token sums
 
                 if critic is not None:
                     with autocast():

@@ -1,9 +1,12 @@
-"""Tests for sampler.py, the engine under rollouts: batched sampling equals one episode at a time, each episode's
-KV cache kept across turns equals re-prefilling, the caches it returns, and where a reply stops.
+"""Tests for sampler.py, the engine under rollouts: batched sampling equals one episode at a time, the engine equals
+the re-prefill reference (greedy, sampled, with the host checking every k steps), its forward equals Hugging Face's,
+it samples the model's distribution, its cache holds what it ran, and where a reply stops.
 
     python -m pytest -q tests/test_sampler.py
 """
 import copy
+import functools
+import random
 import sys
 from pathlib import Path
 
@@ -25,8 +28,7 @@ def test_batched_equals_one_at_a_time_under_greedy(small):
     """Identical trajectories under greedy decoding, on models whose batches are ragged: rows stop at different
     lengths within a turn and leave at different turns. Random models are tried in turn until one shows both
     (typically the first or second); every one tried must give identical trajectories. The batched rollout
-    also takes the shared-header path (the prompt header prefilled once and its cache repeated), the single
-    one does not, so this checks that path too."""
+    also moves rows within the engine's cache as episodes end, which the single one never does."""
     tok = small[1]
     seeds = SEEDS[:8]
     for model_seed in range(6):
@@ -77,23 +79,170 @@ def test_kv_cache_across_turns_gives_the_re_prefill_trajectories(small, temperat
         assert sum(len(t.turns) > 1 for t in out[True]) >= 2  # the cache really lived across turns
 
 
-def test_generate_returns_each_rows_cache_of_what_it_ran(small):
-    """generate(keep_cache=True) hands back, per row, the keys and values of its prompt and all sampled tokens but
-    the last; running the same tokens from scratch gives the same keys and values. Identical prompts (dedupe)
-    and a shared header are both on."""
+def first_prompts(tok, seeds, env="sokoban"):
+    cfg = R.RolloutConfig()
+    out = []
+    for s in seeds:
+        e = make_env(env)
+        out.append(R.render_ids(tok, R.window_messages(R.header_text(e, cfg), [R.turn_text(1, e.reset(s), 10, cfg)],
+                                                       [], 0), cfg))
+    return out
+
+
+def llama_model(tok):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, initializer_range=0.2, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 64})).eval()
+
+
+def test_engine_forward_equals_hugging_face(small):
+    """The engine's hand-written decoder forward gives the Hugging Face logits, on Qwen2 (the prior, a random
+    model with grouped KV heads) and Llama (llama3 rotary scaling): a ragged prefill, then one decode step."""
+    tok = small[1]
+    prompts = first_prompts(tok, [1000, 1001, 1002])
+    prompts[1] = prompts[1][:-7]  # ragged rows
+    for model in (small[0], chaotic_model(tok, 0), llama_model(tok)):
+        assert S.unsupported(model) is None
+        eng = S.Engine(model, tok, rows=3)
+        with torch.no_grad():
+            eng.reserve(max(map(len, prompts)) + 4)
+            got = eng.prefill([0, 1, 2], prompts, [0, 0, 0])                  # [3, V]
+            eng.pos[:3] = torch.tensor([len(p) for p in prompts])
+            eng.ids[:3, 0] = torch.tensor([5, 6, 7])
+            eng.width = max(map(len, prompts)) + 1
+            step = eng.step(3, full=False)                                       # [3, V]
+            for i, p in enumerate(prompts):
+                ref = model(torch.tensor([p + [5 + i]])).logits[0].float()       # [t, V]
+                assert torch.allclose(got[i], ref[-2], atol=1e-4), (type(model).__name__, i)
+                assert torch.allclose(step[i], ref[-1], atol=1e-4), (type(model).__name__, i)
+                full = eng.step(3, full=True)[i]                                # the graphs' shape: whole capacity
+                assert torch.allclose(full, ref[-1], atol=1e-4)
+                eng.pos[:3] = torch.tensor([len(q) for q in prompts])           # full=True wrote the same column
+
+
+def test_engine_cache_holds_its_episodes_tokens(small):
+    """After a reply, each row's cache columns hold the keys and values of its prompt and all its sampled tokens
+    but the last (the Hugging Face cache of the same tokens), and the engine remembers those ids per slot."""
     model, tok = small
-    cfg, header = R.RolloutConfig(), R.header_text(make_env("sokoban"), R.RolloutConfig())
-    prompts = [R.render_ids(tok, R.window_messages(header, [R.turn_text(1, make_env("sokoban").reset(s), 10, cfg)],
-                                                    [], 0), cfg) for s in (1000, 1000, 1001)]
-    sampled, caches = S.generate(model, tok, prompts, 12, 1.0, torch.Generator().manual_seed(0), keep_cache=True,
-                                 dedupe=True)
-    for p, s, c in zip(prompts, sampled, caches):
-        ids = torch.tensor([p + s[:-1]])
-        assert c.length == ids.shape[1]
-        kw = cache_keyword(model)
-        ref = model.base_model(input_ids=ids, use_cache=True, **{kw: DynamicCache()})[kw]
-        for (k, v), (rk, rv, *_) in zip(c.kv, ref):
-            assert torch.allclose(k, rk[0], atol=1e-5) and torch.allclose(v, rv[0], atol=1e-5)
+    prompts = first_prompts(tok, [1000, 1000, 1001])
+    eng = S.Engine(model, tok, rows=3)
+    replies = eng.generate([0, 1, 2], prompts, 12, 1.0, torch.Generator().manual_seed(0))
+    kw = cache_keyword(model)
+    for row, (p, r) in enumerate(zip(prompts, replies)):
+        ids = p + r[:-1]
+        assert eng.cached[row] == ids and int(eng.pos[row]) == len(ids)
+        ref = model.base_model(input_ids=torch.tensor([ids]), use_cache=True, **{kw: DynamicCache()})[kw]
+        for layer, (rk, rv, *_) in enumerate(ref):
+            assert torch.allclose(eng.K[layer][row, :, :len(ids)], rk[0], atol=1e-5)
+            assert torch.allclose(eng.V[layer][row, :, :len(ids)], rv[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("sync_every", [3, 16])
+def test_host_checks_every_k_steps_gives_the_reference_under_greedy(small, monkeypatch, sync_every):
+    """The GPU setting: the host looks at the rows every k steps (rows finish on the device, finished rows are fed
+    pads and compacted at those checks only), every row samples every step. Under greedy decoding the
+    trajectories equal the re-prefill reference path's (float64: rounding cannot flip a token)."""
+    tok = small[1]
+    model = copy.deepcopy(chaotic_model(tok, 1)).double()
+    monkeypatch.setattr(R, "Engine", functools.partial(S.Engine, sync_every=sync_every))
+    seeds = [s for s in SEEDS[:4] for _ in range(3)]
+    out = {}
+    for kv in (False, True):
+        cfg = R.RolloutConfig(temperature=0.0, max_new_tokens=30, kv_cache=kv)
+        out[kv] = R.rollout("sokoban", seeds, list(range(12)), cfg, tokenizer=tok, model=model)
+    for a, b in zip(out[False], out[True]):
+        assert [s.input_ids for s in a.segments] == [s.input_ids for s in b.segments]
+    assert len({t.response_tokens for tr in out[True] for t in tr.turns}) > 3  # rows stopped at different steps
+    assert sum(len(t.turns) > 1 for t in out[True]) >= 2
+
+
+def chi2_pvalue_above(counts: list[int], probs: list[float], z: float = 3.09) -> bool:
+    """Pearson's chi-square goodness of fit below its 1 - 0.001 quantile (Wilson-Hilferty approximation)."""
+    n = sum(counts)
+    stat = sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs))
+    k = len(counts) - 1
+    return stat < k * (1 - 2 / (9 * k) + z * (2 / (9 * k)) ** 0.5) ** 3
+
+
+def test_engine_samples_the_models_distribution_at_temperature(small):
+    """At temperature 2 the engine in its GPU setting (every row draws each step, the host checks every 8) draws
+    its first two tokens from the model's own distribution p(t1) p(t2 | t1): a chi-square test on 3000 replies
+    of one prompt, pairs with an expected count under 5 pooled (fixed seed: the test is deterministic)."""
+    model, tok = small
+    prompt = first_prompts(tok, [1000])[0]
+    n, temp = 3000, 2.0
+    eng = S.Engine(model, tok, rows=n, sync_every=8)
+    replies = eng.generate(list(range(n)), [prompt] * n, 2, temp, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / temp, -1)            # [V]
+        firsts = sorted({r[0] for r in replies} | set(p1.topk(20).indices.tolist()))
+        p2 = {t: torch.softmax(model(torch.tensor([prompt + [t]])).logits[0, -1] / temp, -1) for t in firsts}
+    counts: dict = {}
+    for r in replies:
+        key = tuple(r) if len(r) == 2 else (r[0],)  # a first token that ends the reply has no second
+        counts[key] = counts.get(key, 0) + 1
+    ends = set(S.end_ids(model, tok))
+    expected = {}
+    for t in firsts:
+        if t in ends or S.stop_table(tok)[0, t] == len(S.STOP_TEXT):
+            expected[(t,)] = float(p1[t])
+        else:
+            for u in p2[t].topk(30).indices.tolist():
+                expected[(t, u)] = float(p1[t] * p2[t][u])
+    big = [k for k, p in expected.items() if p * n >= 5]
+    obs = [counts.get(k, 0) for k in big] + [n - sum(counts.get(k, 0) for k in big)]
+    probs = [expected[k] for k in big] + [1 - sum(expected[k] for k in big)]
+    assert len(big) >= 10, "the test needs a spread distribution"
+    assert chi2_pvalue_above(obs, probs)
+    # and the test can fail: the same counts against the temperature-1 distribution
+    with torch.no_grad():
+        p1_cold = torch.softmax(model(torch.tensor([prompt])).logits[0, -1], -1)
+    cold = [float(p1_cold[k[0]]) * (expected[k] / float(p1[k[0]])) for k in big]
+    assert not chi2_pvalue_above(obs, cold + [max(1e-9, 1 - sum(cold))])
+
+
+def test_stop_automaton_equals_searching_the_text(small):
+    """The device-side stop test (an automaton over token pieces) fires at the first token whose text completes
+    "</answer>", on random piece sequences rich in its characters."""
+    tok = small[1]
+    table = S.stop_table(tok)
+    pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
+    rich = [i for i, p in enumerate(pieces) if p and any(c in S.STOP_TEXT for c in p)]
+    rng = random.Random(0)
+    fired = 0
+    for _ in range(3000):
+        seq = [rng.choice(rich) for _ in range(12)]
+        state, at = 0, None
+        for j, t in enumerate(seq):
+            state = int(table[state, t])
+            if state == len(S.STOP_TEXT) and at is None:
+                at = j
+        text = "".join(pieces[t] for t in seq)
+        first = text.find(S.STOP_TEXT)
+        want = None if first < 0 else next(j for j in range(12) if
+                                           len("".join(pieces[t] for t in seq[:j + 1])) >= first + len(S.STOP_TEXT))
+        assert at == want, [pieces[t] for t in seq]
+        fired += at is not None
+    assert fired > 20
+
+
+def test_an_unknown_architecture_samples_with_hugging_face_and_says_so_once(small, capfd):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    tok = small[1]
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=1, n_head=2, n_positions=4096,
+                                       eos_token_id=tok.eos_token_id)).eval()
+    assert "gpt2" in S.unsupported(model)
+    cfg = R.RolloutConfig(max_new_tokens=8)
+    for _ in range(2):
+        trajs = R.rollout("bandit", [1, 2], [0, 1], cfg, tokenizer=tok, model=model)
+        assert all(t.turns for t in trajs)
+    err = capfd.readouterr().err
+    assert err.count("does not know architecture 'gpt2'") == 1
 
 
 def test_generation_stops_at_answer_eos_or_budget(small):
@@ -109,3 +258,17 @@ def test_generation_stops_at_answer_eos_or_budget(small):
                 assert text.endswith(S.STOP_TEXT) and text.count(S.STOP_TEXT) == 1
             else:
                 assert S.STOP_TEXT not in tok.decode(seg.input_ids[a:b - 1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_give_the_eager_engines_replies(small):
+    """On CUDA the decode step replays a captured graph per batch bucket; greedy replies equal the eager step's."""
+    tok = small[1]
+    model = chaotic_model(tok, 1).cuda()
+    prompts = first_prompts(tok, SEEDS[:6])
+    out = {}
+    for graphs in (False, True):
+        eng = S.Engine(model, tok, rows=6, graphs=graphs)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out[graphs] = eng.generate(list(range(6)), prompts, 40, 0.0, None)
+    assert out[True] == out[False]

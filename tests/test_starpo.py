@@ -485,3 +485,115 @@ def test_cuda_bf16_autocast_fused_matches_fp32_and_update_runs():
     out = update(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batch, UpdateConfig(mini_batch=4),
                  autocast_dtype=torch.bfloat16)
     assert out["train/optimizer_steps"] == 1
+
+
+# --------------------------------------------------------------------------------------------------------
+# dual clip against verl's compute_policy_loss (clip_ratio_c)
+# --------------------------------------------------------------------------------------------------------
+
+def verl_compute_policy_loss(old_log_prob, log_prob, advantages, response_mask, cliprange_low, cliprange_high,
+                             clip_ratio_c):
+    """verl/trainer/ppo/core_algos.py compute_policy_loss (RAGEN's pinned verl), line by line; the loss is
+    returned per token ([B, T] pg_losses) so that any aggregation can be applied to it."""
+    def masked_mean(x, mask):
+        return (x * mask).sum() / mask.sum()
+    assert clip_ratio_c > 1.0
+    negative_approx_kl = log_prob - old_log_prob
+    negative_approx_kl = torch.clamp(negative_approx_kl, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = masked_mean(-negative_approx_kl, response_mask)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float(), response_mask)
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_clipfrac_lower = masked_mean(torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float(), response_mask)
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    return pg_losses, pg_clipfrac, ppo_kl, pg_clipfrac_lower
+
+
+@pytest.mark.parametrize("agg", starpo.AGG_MODES)
+@pytest.mark.parametrize("c", [1.5, 3.0])
+def test_dual_clip_matches_verl_compute_policy_loss(agg, c):
+    gen = torch.Generator().manual_seed(11)
+    B, T = 6, 16
+    mask = multi_turn_mask(B, T, gen)
+    old = torch.randn(B, T, generator=gen) - 2
+    logp = (old + torch.randn(B, T, generator=gen) * 1.5).requires_grad_()  # ratios up to ~e^4, beyond c
+    adv = torch.randn(B, T, generator=gen)
+    loss, m = policy_loss(logp, old, adv, mask, 0.2, 0.28, agg, dual_clip=c)
+    (grad,) = torch.autograd.grad(loss, logp)
+    logp2 = logp.detach().clone().requires_grad_()
+    tok, clipfrac, kl, lower = verl_compute_policy_loss(old, logp2, adv, mask, 0.2, 0.28, c)
+    want = aggregate(tok, mask, agg)
+    (want_grad,) = torch.autograd.grad(want, logp2)
+    assert lower.item() > 0  # the cap bites somewhere
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    torch.testing.assert_close(grad, want_grad)
+    assert m["pg_clipfrac_dual"].item() == pytest.approx(lower.item())
+    assert m["pg_clipfrac"].item() == pytest.approx(clipfrac.item())  # unchanged by the dual clip, as verl's
+    assert m["approx_kl"].item() == pytest.approx(kl.item(), rel=1e-6)
+    # the paper's metrics are the same with and without the dual clip; only the loss moves
+    _, off = policy_loss(logp, old, adv, mask, 0.2, 0.28, agg)
+    for k in ("pg_clipfrac", "pg_clipfrac_upper", "pg_clipfrac_lower", "approx_kl"):
+        assert m[k].item() == off[k].item(), k
+    assert off["pg_clipfrac_dual"].item() == 0
+
+
+def test_dual_clip_by_hand():
+    # (advantage, ratio): with c = 3 the loss of A < 0 is min(max(-A r, -A clip(r)), -A c)
+    cases = [(-1.0, 5.0, 3.0, True),  # capped at -A c = 3: no gradient
+             (-1.0, 2.0, 2.0, False),  # below the cap
+             (-1.0, 0.5, 0.8, False),  # ordinary clip at 1 - eps_low: loss 0.8, no gradient either
+             (2.0, 5.0, -2 * 1.28, False)]  # A > 0: the dual clip never applies
+    adv = torch.tensor([[a for a, _, _, _ in cases]])
+    logp = torch.log(torch.tensor([[r for _, r, _, _ in cases]])).requires_grad_()
+    mask = torch.ones(1, len(cases))
+    loss, m = policy_loss(logp, torch.zeros(1, len(cases)), adv, mask, 0.2, 0.28, dual_clip=3.0)
+    assert loss.item() == pytest.approx(sum(w for _, _, w, _ in cases) / len(cases), rel=1e-6)
+    loss.backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] != 0
+    assert m["pg_clipfrac_dual"].item() == pytest.approx(1 / 4)
+    # off (None or 0) is the paper's loss: the first token then costs 5
+    for off in (None, 0, 0.0):
+        assert policy_loss(logp, torch.zeros(1, 4), adv, mask, 0.2, 0.28, dual_clip=off)[0].item() == \
+            pytest.approx((5.0 + 2.0 + 0.8 - 2.56) / 4, rel=1e-6)
+
+
+@pytest.mark.parametrize("c", [0.5, 1.0, -3.0, float("nan")])
+def test_dual_clip_at_most_one_raises_one_line(c):
+    x = torch.zeros(1, 3)
+    with pytest.raises(ValueError, match=r"dual_clip must be > 1 \(verl's clip_ratio_c; 0 or None = off\)") as err:
+        policy_loss(x, x, x, torch.ones(1, 3), dual_clip=c)
+    assert "\n" not in str(err.value)
+    model = tiny_qwen()
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        update(model, torch.optim.SGD(model.parameters(), lr=0.1), make_batch(model, B=2), UpdateConfig(dual_clip=c))
+
+
+def test_update_with_dual_clip_logs_its_fraction_and_changes_the_step():
+    base = tiny_qwen()
+    batch = make_batch(base)
+    # old policy far more likely on some tokens with A < 0: ratios e^2 = 7.4 > c = 3 there
+    batch.advantages = -batch.advantages.abs()
+    batch.old_logp = batch.old_logp - 2.0 * (torch.arange(batch.old_logp.shape[1]) % 3 == 0)
+    outs, grads = [], []
+    for c in (None, 3.0):
+        model = copy.deepcopy(base)
+        opt = RecordingSGD(model.parameters(), lr=0.1)
+        cfg = UpdateConfig(mini_batch=8, micro_batch=4, dual_clip=c, entropy_coef=0.0)
+        outs.append(update(model, opt, batch, cfg, generator=torch.Generator().manual_seed(0)))
+        grads.append(opt.seen[0])
+    off, on = outs
+    assert "train/pg_clipfrac_dual" not in off
+    assert set(on) == set(off) | {"train/pg_clipfrac_dual"}
+    with torch.no_grad():
+        logp, _ = token_logprobs(base, batch.input_ids, batch.attention_mask)
+    _, m = policy_loss(logp, batch.old_logp, batch.advantages, batch.loss_mask, dual_clip=3.0)
+    assert on["train/pg_clipfrac_dual"] == pytest.approx(m["pg_clipfrac_dual"].item(), rel=1e-5)
+    assert on["train/pg_clipfrac_dual"] > 0.1
+    assert on["train/pg_loss"] < off["train/pg_loss"]  # the capped tokens cost less
+    for k in ("train/pg_clipfrac", "train/pg_clipfrac_lower", "train/approx_kl"):
+        assert on[k] == pytest.approx(off[k]), k
+    assert any(not torch.equal(a, b) for a, b in zip(*grads))
