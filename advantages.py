@@ -39,6 +39,15 @@ from collections.abc import Sequence
 import torch
 
 
+def at_positions(values: list[list[float]], positions: list[list[int]], T: int) -> torch.Tensor:
+    """[B, T] zeros with values[b][k] at column positions[b][k]: each turn's reward (or a 1) on its last reply
+    token, at the positions the rollout recorded (Segment.reply_ends)."""
+    out = torch.zeros(len(values), T)
+    for b, (v, p) in enumerate(zip(values, positions)):
+        out[b, p] = torch.tensor(v, dtype=out.dtype)
+    return out
+
+
 def place_reward_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Put each trajectory's total reward on its last sampled token, 0 elsewhere (section 2.2: J = E[R(tau)]).
 

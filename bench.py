@@ -28,6 +28,13 @@ Sections (a plain dict below, SECTIONS):
          its noise) and the mean cosine between two batches' gradients. The control: the same batches with each
          row's advantages times a random sign, whose |E g|^2 is 0, so its estimate shows the estimate's error.
              python bench.py noise --noise-train-args "--env sokoban --algo grpo --filter 0.25" --noise-batches 24
+  gpu    the GPU check, one JSON line per configuration (keys decode_ms_per_step, rollout_s, update_s,
+         iteration_s, peak_gib): sampler.Engine's decode step at 8 x 16 rows eager and as CUDA graphs, one PPO
+         iteration of train.py at the paper's budgets (5 turns, 400-token replies, critic), the same under a 24 GiB
+         cap (--memory-cap 24 --grad-checkpoint), and with --gpu-3b GRPO + LoRA on Qwen2.5-3B shapes. Random weights with
+         Qwen2.5-0.5B-Instruct's shapes, no download; about 5 minutes on one H100:
+             python bench.py gpu
+         On a CPU with small shapes (a test runs it): python bench.py gpu --device cpu --layers 2 --hidden 64 ...
 
 Peak memory: on CUDA, torch.cuda.max_memory_allocated() minus the allocation before the call (exact, counts
 only tensors). On CPU (torch has no CPU allocator statistics), the process's peak resident set size: the Linux
@@ -505,69 +512,143 @@ def bench_noise(args) -> dict:
 QWEN_05B = dict(layers=24, hidden=896, heads=14, kv_heads=2, intermediate=4864, vocab=151936)  # published shapes
 
 
-def bench_gpu(args) -> dict:
-    """The paper's PPO run on one device: train.py itself, for --gpu-iterations iterations (critic included), on
-    a model with Qwen2.5-0.5B-Instruct's shapes and random weights, written from a config (a lent GPU machine has
-    no hub access). Random weights never close their answer, so every reply runs to --gpu-reply tokens: the
-    longest sequences the paper's budgets allow. Peak memory, seconds per phase, and whether it fits 24 GB."""
-    import json
-    import tempfile
+QWEN_3B = dict(layers=36, hidden=2048, heads=16, kv_heads=2, intermediate=11008, vocab=151936)  # RAGEN's default now
+
+
+def _random_model(args, shapes: dict, tmp):
+    """A Qwen2 model of these shapes with random weights (a lent GPU machine has no hub access) and a tokenizer
+    built from rollout text, saved in `tmp`; -> (its folder, parameters)."""
+    import random
     from pathlib import Path
 
-    import train
     from envs import train_seeds
     from prior import build_tokenizer
     from rollout import RolloutConfig, random_agent, rollout
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    import random
-    device = torch.device(args.device)
     trajs = rollout("sokoban", train_seeds(0, 16), list(range(16)), RolloutConfig(),
                     agent=random_agent(random.Random(0)))
     texts = [m["content"] for t in trajs for m in t.messages] + [f"{r}\n" for r in ("system", "user", "assistant")]
-    tok = build_tokenizer(texts + ["Reward: -0.1\nInvalid format or action.\n"], size=args.vocab)
-    config = Qwen2Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=32768, rope_theta=1e6,
-                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
+    tok = build_tokenizer(texts + ["Reward: -0.1\nInvalid format or action.\n"], size=shapes["vocab"])
+    config = Qwen2Config(vocab_size=shapes["vocab"], hidden_size=shapes["hidden"],
+                         intermediate_size=shapes["intermediate"], num_hidden_layers=shapes["layers"],
+                         num_attention_heads=shapes["heads"], num_key_value_heads=shapes["kv_heads"],
+                         max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
-    n_params = sum(p.numel() for p in model.parameters())
-    with tempfile.TemporaryDirectory() as tmp:
-        model.save_pretrained(Path(tmp) / "model")
-        tok.save_pretrained(Path(tmp) / "model")
-        del model
-        meter = PeakMemory(device)
-        meter.start()
+    folder = Path(tmp) / f"model-{shapes['layers']}x{shapes['hidden']}"
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder, sum(p.numel() for p in model.parameters())
+
+
+def _decode_ms(folder, args, graphs: bool) -> dict:
+    """The engine's decode step at P x N rows (128 at the paper's batch): one engine, first-turn Sokoban prompts;
+    (time of a reply of S + 1 tokens - time of 1 token) / S, medians of --repeats. Random weights almost never
+    end a reply, so every row decodes every step."""
+    from envs import train_seeds
+    from policy import autocast_dtype, load_policy
+    from rollout import RolloutConfig, header_text, render_ids, turn_text, window_messages
+    from envs import make_env
+    from sampler import Engine
+    device = torch.device(args.device)
+    model, tok, _ = load_policy(str(folder), device)
+    model.eval()
+    cfg, rows = RolloutConfig(), args.gpu_prompts * args.gpu_rollouts
+    prompts = []
+    for s in train_seeds(0, args.gpu_prompts):
+        e = make_env("sokoban")
+        p = render_ids(tok, window_messages(header_text(e, cfg), [turn_text(1, e.reset(s), 10, cfg)], [], 0), cfg)
+        prompts += [p] * args.gpu_rollouts
+    engine = Engine(model, tok, rows, graphs=graphs)
+    amp = autocast_dtype(device)
+    steps = args.gpu_decode_steps
+    engine.reserve(max(map(len, prompts)) + 2 * steps + 8)  # one capacity for every call below: no re-capture
+
+    def timed(n: int) -> tuple[float, int]:
+        gen = torch.Generator(device).manual_seed(0)
+        _sync(device)
         t0 = time.perf_counter()
-        out = train.main(["--env", "sokoban", "--algo", "ppo", "--model", str(Path(tmp) / "model"),
-                          "--prompts", str(args.gpu_prompts), "--rollouts", str(args.gpu_rollouts),
-                          "--max-turns", "5", "--max-new-tokens", str(args.gpu_reply), "--filter", str(args.gpu_filter),
-                          "--steps", str(args.gpu_iterations), "--eval-every", "0", "--eval-prompts", "1",
-                          "--save-every", "0", "--device", args.device, "--threads", str(args.threads),
-                          "--out", str(Path(tmp) / "run")])
-        total = time.perf_counter() - t0
-        peak = meter.stop()
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    phases = {k: [r.get(f"time/{k}", 0.0) for r in rows] for k in ("rollout", "prep", "update", "iteration")}
-    tokens = [r["rollout/response_length"] * r["rollout/turns"] * args.gpu_prompts * args.gpu_rollouts for r in rows]
-    fits = peak < 24 * 2 ** 30
-    print(f"[gpu] model: {args.layers} layers, hidden {args.hidden}, {args.heads} heads / {args.kv_heads} KV heads, "
-          f"intermediate {args.intermediate}, vocab {args.vocab}, tied: {n_params:,} parameters, random "
-          f"weights; PPO with a critic, {args.gpu_prompts} x {args.gpu_rollouts} rollouts, 5 turns, "
-          f"{args.gpu_reply}-token replies, filter {args.gpu_filter}; {device.type}"
-          f"{' (' + torch.cuda.get_device_name(device) + ')' if device.type == 'cuda' else ''}, "
-          f"autocast {'bf16' if device.type == 'cuda' else 'off (fp32)'}")
-    for i, r in enumerate(rows):
-        print(f"[gpu] iteration {i + 1}: rollout {phases['rollout'][i]:.1f} s ({tokens[i]:.0f} sampled tokens, "
-              f"{r['rollout/response_length']:.0f} per turn), prep {phases['prep'][i]:.1f} s, update "
-              f"{phases['update'][i]:.1f} s ({r.get('train/rows', 0):.0f} rows), "
-              f"iteration {phases['iteration'][i]:.1f} s")
-    print(f"[gpu] peak memory {peak / 2 ** 30:.2f} GiB ({meter.method}); fits 24 GB: {'yes' if fits else 'no'}; "
-          f"whole run {total:.0f} s (with loading, the final eval on 1 prompt and saving final/)")
-    return {"peak_gib": peak / 2 ** 30, "fits_24gb": fits, "phases": phases, "parameters": n_params,
-            "response_length": [r["rollout/response_length"] for r in rows],
-            "rows": [r.get("train/rows") for r in rows]}
+        with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+            out = engine.generate(list(range(rows)), prompts, n, 1.0, gen)
+        _sync(device)
+        return time.perf_counter() - t0, max(map(len, out))
+
+    timed(steps + 1)  # warm-up: kernels, the graphs' capture
+    per_step = []
+    for _ in range(args.repeats):
+        (long, n), (short, _) = timed(steps + 1), timed(1)
+        per_step.append((long - short) / max(1, n - 1) * 1e3)
+    del engine, model
+    return {"decode_ms_per_step": statistics.median(per_step), "decode_ms_all": per_step, "rows": rows,
+            "decode_steps": steps}
+
+
+def _iteration(folder, args, algo: str, cap: float | None, extra: list[str], tmp) -> dict:
+    """One training iteration at the paper's budgets through train.py itself (critic included for PPO), every
+    reply at --gpu-reply tokens (random weights never close their answer): seconds per phase, peak memory."""
+    import json
+    from pathlib import Path
+
+    import train
+    device = torch.device(args.device)
+    meter = PeakMemory(device)
+    meter.start()
+    run = Path(tmp) / f"run-{algo}-{cap}-{len(extra)}"
+    out = train.main(["--env", "sokoban", "--algo", algo, "--model", str(folder), "--prompts", str(args.gpu_prompts),
+                      "--rollouts", str(args.gpu_rollouts), "--max-turns", "5", "--max-new-tokens", str(args.gpu_reply),
+                      "--filter", str(args.gpu_filter), "--steps", str(args.gpu_iterations), "--eval-every", "0",
+                      "--eval-prompts", "1", "--save-every", "0", "--device", args.device, "--threads",
+                      str(args.threads), "--out", str(run), *(["--memory-cap", str(cap)] if cap else []), *extra])
+    peak = meter.stop()
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]  # the first iteration also pays for kernels' first calls
+    return {"rollout_s": last["time/rollout"], "update_s": last.get("time/prep", 0) + last.get("time/update", 0),
+            "iteration_s": last["time/iteration"] - last.get("time/eval", 0), "peak_gib": peak / 2 ** 30,
+            "fits_24gb": peak < 24 * 2 ** 30, "response_length": last["rollout/response_length"],
+            "turns": last["rollout/turns"], "train_rows": last.get("train/rows"),
+            "iterations": len(rows)}
+
+
+def bench_gpu(args) -> dict:
+    """The GPU check (README "One GPU"), one JSON line per configuration: the engine's decode step eager and as
+    CUDA graphs at P x N rows, one PPO iteration at the paper's budgets, the same under a 24 GiB cap, and with
+    --gpu-3b GRPO on Qwen2.5-3B shapes with LoRA under the cap. Random weights with the real shapes, no
+    download. On a CPU (small --layers) the CUDA-only configurations print why they are skipped."""
+    import json
+    import tempfile
+    device = torch.device(args.device)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    shapes = {k: getattr(args, k) for k in QWEN_05B}
+    results = []
+
+    def emit(name: str, shape: dict, fn):
+        row = {"config": name, "device": card, "shapes": shape, "decode_ms_per_step": None, "rollout_s": None,
+               "update_s": None, "iteration_s": None, "peak_gib": None}
+        try:
+            row.update(fn())
+        except torch.cuda.OutOfMemoryError as e:  # a measured answer too: it does not fit
+            row["error"] = f"out of memory: {str(e).splitlines()[0][:200]}"
+        print(json.dumps(row), flush=True)
+        results.append(row)
+
+    cuda = device.type == "cuda"
+    skip = {"skipped": "needs CUDA"}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, n = _random_model(args, shapes, tmp)
+        shapes["parameters"] = n
+        emit("engine, eager", shapes, lambda: _decode_ms(folder, args, graphs=False))
+        emit("engine, CUDA graphs", shapes, lambda: _decode_ms(folder, args, graphs=True) if cuda else skip)
+        emit("PPO iteration, paper budgets", shapes, lambda: _iteration(folder, args, "ppo", None, [], tmp))
+        emit("PPO iteration, 24 GiB cap, --grad-checkpoint", shapes,
+             lambda: _iteration(folder, args, "ppo", 24, ["--grad-checkpoint"], tmp) if cuda else skip)
+        if args.gpu_3b:
+            big = dict(QWEN_3B)
+            folder3, big["parameters"] = _random_model(args, big, tmp)
+            emit("GRPO iteration, 3B shapes, LoRA 64, 24 GiB cap", big,
+                 lambda: _iteration(folder3, args, "grpo", 24 if cuda else None,
+                                    ["--lora-rank", "64", "--grad-checkpoint"], tmp))
+    return {"configs": results}
 
 
 SECTIONS = {
@@ -611,11 +692,14 @@ def main(argv=None):
     parser.add_argument("--gpu-rollouts", type=int, default=16, help="gpu: N rollouts per prompt (paper: 16)")
     parser.add_argument("--gpu-reply", type=int, default=400, help="gpu: tokens per reply (RAGEN: 400)")
     parser.add_argument("--gpu-filter", type=cli.finite_float, default=0.25, help="gpu: groups kept (StarPO-S: 0.25)")
-    parser.add_argument("--gpu-iterations", type=int, default=2, help="gpu: training iterations")
+    parser.add_argument("--gpu-iterations", type=int, default=1, help="gpu: training iterations per configuration "
+                                                                   "(the last one is reported)")
+    parser.add_argument("--gpu-decode-steps", type=int, default=128, help="gpu: decode steps timed per repeat")
+    parser.add_argument("--gpu-3b", action="store_true", help="gpu: also GRPO + LoRA 64 on Qwen2.5-3B shapes")
     args = parser.parse_args(argv)
     unknown = [s for s in args.sections if s not in SECTIONS]
     counts = ["threads", "repeats", "fused_seqs", "fused_seq_len", "fused_hidden", "fused_vocab", "rollout_prompts",
-              "prefix_rows", "prior_episodes", *QWEN_05B, "gpu_prompts", "gpu_reply", "gpu_iterations"]
+              "prefix_rows", "prior_episodes", *QWEN_05B, "gpu_prompts", "gpu_reply", "gpu_iterations", "gpu_decode_steps"]
     try:
         cli.check([(not unknown, f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")]
                   + [(getattr(args, k) >= 1, f"--{k.replace('_', '-')} {getattr(args, k)}: must be >= 1")

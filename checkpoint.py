@@ -8,6 +8,8 @@ section on checkpoints; its runs (RAGEN on verl) save the actor, critic and opti
 Deviations from the paper / RAGEN (deliberate):
 1. The two newest checkpoints are kept, older ones deleted (verl keeps every one unless told otherwise).
 2. The generators' states are not saved: every draw of iteration i derives from (seed, i) (train.py deviation 1).
+3. A LoRA run (`--lora-rank`) saves its policy merged (a plain model for eval.py) and its adapters in state.pt,
+   from which --resume continues exactly.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+from lora import adapter_state, plain_state_dict
 
 
 def read_checkpoint(out: Path, device):
@@ -57,14 +61,15 @@ def save_checkpoint(out: Path, step: int, policy, tok, critic, opt, critic_opt, 
     final = out / f"ckpt-{step:06d}"
     tmp = out / f".tmp-ckpt-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    policy.save_pretrained(tmp / "policy")
+    policy.save_pretrained(tmp / "policy", state_dict=plain_state_dict(policy))  # LoRA merged: a plain model
     tok.save_pretrained(tmp / "policy")
-    state = {"step": step, "opt": opt.state_dict(), "monitor": asdict(monitor)}
+    state = {"step": step, "opt": opt.state_dict(), "monitor": asdict(monitor), "lora": adapter_state(policy)}
     if imit_opt is not None:
         state["imit_opt"] = imit_opt.state_dict()
     if critic is not None:
         critic.save_pretrained(str(tmp / "critic"))
         state["critic_opt"] = critic_opt.state_dict()
+        state["critic_lora"] = adapter_state(critic)
     torch.save(state, tmp / "state.pt")
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -79,6 +84,6 @@ def save_checkpoint(out: Path, step: int, policy, tok, critic, opt, critic_opt, 
 def save_final(out: Path, policy, tok, cfg) -> None:
     """A plain save_pretrained folder (+ train_config.json so eval.py renders prompts the same way)."""
     final = out / "final"
-    policy.save_pretrained(final)
+    policy.save_pretrained(final, state_dict=plain_state_dict(policy))
     tok.save_pretrained(final)
     (final / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))

@@ -3,7 +3,8 @@
 Every linear layer of the transformer blocks (attention q/k/v/o and MLP gate/up/down; not the embeddings or the LM
 head) gets y = W x + (alpha / r) * B A x (eq. 3) with W frozen, A random, B = 0, so training starts exactly at the
 pretrained model; `merge_lora` writes W + (alpha / r) B A into plain nn.Linear layers that save_pretrained exports.
-The paper's SFT baseline uses rank 64, alpha 32 (Appendix G; `sft_baseline.py --lora-rank`).
+The paper's SFT baseline uses rank 64, alpha 32 (Appendix G; `sft_baseline.py --lora-rank`); `train.py --lora-rank`
+uses it for RL (beyond the paper, whose RL runs train every weight), to fit larger models on one card.
 
 Deviations from the paper / RAGEN (deliberate):
 1. None in the method; peft's defaults are followed where the paper is silent (A: nn.Linear's init, B: zeros).
@@ -64,3 +65,24 @@ def merge_lora(model: nn.Module) -> int:
         owner = model.get_submodule(parent) if parent else model
         setattr(owner, child, getattr(owner, child).merged())
     return len(names)
+
+
+@torch.no_grad()
+def plain_state_dict(model: nn.Module) -> dict | None:
+    """The model's weights as a plain model has them (each LoRALinear merged, on the CPU), for save_pretrained's
+    `state_dict=`: checkpoints of a LoRA run load like any other model. None when the model has no LoRA."""
+    if not any(isinstance(m, LoRALinear) for m in model.modules()):
+        return None
+    sd = {k: v.detach().cpu() for k, v in model.state_dict().items() if ".lora_" not in k}
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            sd[f"{name}.weight"] = m.merged().weight.detach().cpu()
+            sd.pop(f"{name}.base.weight")
+            if m.base.bias is not None:
+                sd[f"{name}.bias"] = sd.pop(f"{name}.base.bias")
+    return sd
+
+
+def adapter_state(model: nn.Module) -> dict:
+    """The trained LoRA matrices (what a checkpoint needs, beside the frozen base, to resume exactly)."""
+    return {k: v.detach().cpu() for k, v in model.state_dict().items() if ".lora_" in k}

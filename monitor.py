@@ -215,3 +215,27 @@ def collapse_metrics(model: torch.nn.Module, prompts: list[list[int]], thoughts:
         "n_prompts": N,
         "n_samples": n,
     }
+
+
+def measure_collapse(model, tok, trajs: list, samples: int, seed: int, amp=None, temperature: float = 1.0) -> dict:
+    """`collapse_metrics` on up to `samples` first turns of this iteration's rollouts, drawn uniformly without
+    replacement (RAGEN: 64, before the filter), columns by group as RAGEN's; -> its keys under "collapse/", plus
+    "time/collapse" (seconds). x = the first turn's prompt through the pre-filled <think> (the tokens before the
+    first sampled one, from the loss mask), z = the reasoning of its reply, re-tokenised."""
+    import random
+    import time
+    t0 = time.time()
+    pick = sorted(random.Random(seed).sample(range(len(trajs)), min(samples, len(trajs))))
+    first = [trajs[i] for i in pick if trajs[i].turns and trajs[i].segments]
+    prompts = [t.segments[0].input_ids[:t.segments[0].loss_mask.index(1)] for t in first]
+    special = tuple(tok.all_special_tokens)
+    thoughts = [tok(think_text("<think>" + t.turns[0].reply.removeprefix("<think>"), special),
+                    add_special_tokens=False)["input_ids"] for t in first]
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+        out = collapse_metrics(model, prompts, thoughts, group_ids=[t.group_id for t in first],
+                               temperature=temperature)
+    model.train(was_training)
+    return {**{f"collapse/{k}": v for k, v in out.items()}, "time/collapse": time.time() - t0}

@@ -47,7 +47,7 @@ def autocast_dtype(device: torch.device):
     return torch.bfloat16 if device.type == "cuda" else None
 
 
-def setup_device(device: torch.device, threads: int = 1) -> None:
+def setup_device(device: torch.device, threads: int = 1, memory_cap: float | None = None) -> None:
     """Process-wide settings for this device: intra-op threads on CPU (deviation 2); on CUDA, no cuDNN attention.
 
     torch 2.11's CUDA builds prefer cuDNN's attention kernels on Hopper GPUs (H100, H200: the cuDNN they bundle
@@ -56,6 +56,14 @@ def setup_device(device: torch.device, threads: int = 1) -> None:
     own length. Measured on an H200 (torch 2.11, random Qwen2.5-0.5B shapes, bf16): 2.5 ms of host time per
     attention call and ~95 ms per forward step at any batch size, 2/3 of it in attention. Flash / memory-efficient
     attention (torch's choice before) compute the same attention without a per-shape build."""
+    if memory_cap is not None:  # GiB; proves on a large card that a run fits a smaller one (the allocator refuses)
+        if device.type != "cuda":
+            raise ValueError(f"--memory-cap {memory_cap:g}: caps CUDA memory; this run is on {device.type}")
+        total = torch.cuda.get_device_properties(device).total_memory
+        if memory_cap * 2 ** 30 > total:
+            raise ValueError(f"--memory-cap {memory_cap:g}: larger than this card's {total / 2 ** 30:.1f} GiB "
+                             f"({torch.cuda.get_device_name(device)})")
+        torch.cuda.set_per_process_memory_fraction(memory_cap * 2 ** 30 / total, device)
     if device.type == "cpu":
         torch.set_num_threads(threads)
     elif device.type == "cuda":
@@ -200,7 +208,8 @@ class Critic(nn.Module):
         return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
     def save_pretrained(self, path: str) -> None:
-        self.backbone.save_pretrained(path)
+        from lora import plain_state_dict
+        self.backbone.save_pretrained(path, state_dict=plain_state_dict(self.backbone))
         torch.save(self.value_head.state_dict(), Path(path) / "value_head.pt")
 
 

@@ -93,10 +93,13 @@ class Segment:               # one training sequence
     input_ids: list[int]
     loss_mask: list[int]     # 1 exactly where the policy sampled the token
     system_len: int = 0      # tokens of the system message it starts with (-1: the template renders none)
+    reply_ends: list[int] = field(default_factory=list)  # position of each reply's last sampled token, turn order
 
     def append(self, ids: list[int], sampled: int):
         self.input_ids += ids
         self.loss_mask += [sampled] * len(ids)
+        if sampled and ids:
+            self.reply_ends.append(len(self.input_ids) - 1)
 
 
 def trained_mask(seg: Segment, response_mask: bool = True) -> list[int]:

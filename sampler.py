@@ -203,12 +203,17 @@ class Engine:
             width = max(s0) + M
             ids = torch.tensor([t + [self.pad] * (M - len(t)) for t in tt], device=self.device)         # [b, M]
             pos = torch.tensor(s0, device=self.device)[:, None] + torch.arange(M, device=self.device)  # [b, M]
-            idx = torch.tensor(r, device=self.device)
-            K = [buf[idx, :, :width] for buf in self.K]  # a copy of these rows' columns, written back below
-            V = [buf[idx, :, :width] for buf in self.V]
-            h = forward(self.model, ids, pos, K, V)
-            for buf, new in zip(self.K + self.V, K + V):
-                buf[idx, :, :width] = new
+            if r == list(range(r[0], r[0] + len(r))):  # consecutive rows (every turn but a group's first): views
+                K = [buf[r[0]:r[0] + len(r), :, :width] for buf in self.K]
+                V = [buf[r[0]:r[0] + len(r), :, :width] for buf in self.V]
+                h = forward(self.model, ids, pos, K, V)
+            else:  # a copy of these rows' columns, written back
+                idx = torch.tensor(r, device=self.device)
+                K = [buf[idx, :, :width] for buf in self.K]
+                V = [buf[idx, :, :width] for buf in self.V]
+                h = forward(self.model, ids, pos, K, V)
+                for buf, new in zip(self.K + self.V, K + V):
+                    buf[idx, :, :width] = new
             last = torch.tensor([len(t) - 1 for t in tt], device=self.device)
             out.append(self.model.get_output_embeddings()(h[torch.arange(len(r)), last]).float())
         return torch.cat(out)

@@ -325,6 +325,8 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     targets = input_ids[:, 1:].reshape(-1)  # [B*(T-1)]
     # [K] flat indices into the B*(T-1) predicted tokens that the caller reads (all of them without `positions`)
     keep = None if positions is None else positions[:, 1:].reshape(-1).nonzero().squeeze(1).to(input_ids.device)
+    if model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+        prefix_len = 0  # activation checkpointing runs without a cache (transformers turns use_cache off)
     if fused:
         if prefix_len > 0:  # one row runs the shared prefix; the B rows run the rest on its cache, repeated inside
             # the autograd graph (the prefix receives the sum of the rows' gradients)

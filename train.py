@@ -29,6 +29,9 @@ Deviations from the paper / RAGEN (deliberate):
    logs, evaluates and writes checkpoints.
 8. `--hindsight-imitation K` (off; neither the paper nor RAGEN has it): GCSL after each update, hindsight.py;
    `--imitation-demos best`: expert iteration instead (the RL-from-SFT recipe).
+9. Memory levers for one GPU (off; the paper's runs train every weight on several GPUs): `--lora-rank R` (lora.py)
+   on the policy and the critic's backbone, `--grad-checkpoint` (activations recomputed per decoder layer) and
+   `--memory-cap GIB` (the allocator capped, to prove on a large card that a run fits a small one).
 """
 from __future__ import annotations
 
@@ -47,13 +50,14 @@ import torch
 import cli
 import distributed as dist
 import hindsight
-from advantages import (broadcast_to_tokens, gae, grpo_advantages, kl_penalized_rewards,
-                        place_reward_on_last_token, whiten)
+from advantages import (at_positions, bi_level_gae, broadcast_to_tokens, gae, grpo_advantages,
+                        kl_penalized_rewards, place_reward_on_last_token, whiten)
 from envs import ENVS, train_seeds
 from eval import ROLLOUT_KEYS, evaluate, saved_rollout_settings, summarize
-from filter import select_groups
+from filter import METRICS, STRATEGIES, TOP_P_MODES, select_groups
+from lora import add_lora
 from checkpoint import read_checkpoint, read_metrics, save_checkpoint, save_final
-from monitor import EchoMonitor, watch
+from monitor import EchoMonitor, measure_collapse, watch
 from policy import autocast_dtype, load_critic, load_policy, model_kind, pad_segments, pick_device, setup_device
 from rollout import RolloutConfig, Segment, default_reply_tokens, dump, rollout, trained_mask
 from starpo import (AGG_MODES, Batch, TokenLogprobs, UpdateConfig, make_optimizer, masked_mean, shared_prefix_len,
@@ -81,8 +85,32 @@ class Config:
                          choices=["grpo", "ppo"])
     preset: str | None = cli.flag(None, "the paper's recipes: starpo or starpo-s (explicit flags override)",
                                   choices=sorted(PRESETS))
-    filter: float = cli.flag(0.25, "fraction of prompt groups kept by in-group reward std (1.0 = off)", gt=0, hi=1)
+    filter: float = cli.flag(0.25, "fraction of prompt groups kept by in-group reward std (1.0 = off); with "
+                                   "--filter-strategy: its value (top_k_abs: a number of groups)", gt=0)
     filter_smallest: bool = cli.flag(False, "keep the LOWEST-variance groups instead (the paper's ablation)")
+    filter_strategy: str = cli.flag("top_k", "beyond the paper (RAGEN HEAD, RAGEN-2): top_k (the paper: the top "
+                                    "--filter fraction), top_k_abs (--filter groups), top_p (groups in score order "
+                                    "until --filter x the total score), min_p (score >= --filter x the largest)",
+                                    choices=list(STRATEGIES))
+    filter_metric: str = cli.flag("reward_std", "the score groups are ranked by (paper: reward_std)",
+                                  choices=list(METRICS))
+    filter_include_zero: bool = cli.flag(True, "rank zero-score groups too (--no-filter-include-zero drops them "
+                                               "first, as RAGEN-2's guide recommends)")
+    filter_top_p_mode: str = cli.flag("linear", "top_p over the cumulative score (linear) or softmax mass",
+                                      choices=list(TOP_P_MODES))
+    filter_eps: float = cli.flag(0.01, "top_p linear: subtracted from its threshold (RAGEN's selection_eps)", lo=0)
+    filter_empty_stop: int = cli.flag(0, "end the run after this many iterations in a row whose filter kept no "
+                                         "group (each is skipped and logged; 0 = never; RAGEN: 5)", lo=0)
+    turn_rewards: bool = cli.flag(False, "PPO, beyond the paper: each turn's reward on its own last reply token "
+                                         "(RAGEN's turn scores) instead of the trajectory's on the last one")
+    bi_level_gae: bool = cli.flag(False, "PPO, beyond the paper (RAGEN HEAD): a turn-level GAE over turn ends, then "
+                                         "a token-level GAE inside each turn")
+    high_level_gamma: float = cli.flag(0.95, "--bi-level-gae: the turn-level discount (RAGEN: 0.95)", lo=0, hi=1)
+    dual_clip: float = cli.flag(0.0, "dual clip C (verl's clip_ratio_c; RAGEN's runs: 3.0): a negative-advantage "
+                                     "token's loss is capped at -A x C; 0 = off (the paper)", lo=0)
+    collapse_every: int = cli.flag(0, "RAGEN-2's template-collapse metrics (collapse/mi, ...) on iteration 1 and every"
+                                      " K iterations, think mode only (0 = off)", lo=0)
+    collapse_samples: int = cli.flag(64, "first turns cross-scored per collapse measurement (RAGEN: 64)", lo=2)
     hindsight_imitation: int = cli.flag(0, "beyond the paper (hindsight.py, GCSL), Sokoban: after each update, this "
                                            "many supervised passes over the iteration's rollouts, each relabelled as "
                                            "a success with the target where it left the box; 0 = off", lo=0)
@@ -149,6 +177,13 @@ class Config:
     device: str = cli.flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
     threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)", lo=1)
     fused: bool = cli.flag(True, "chunked log-prob/entropy path that never builds [B, T, V] logits")
+    lora_rank: int = cli.flag(0, "beyond the paper: train LoRA adapters of this rank (policy and PPO critic "
+                                 "backbone) instead of every weight; 0 = every weight (paper)", lo=0)
+    lora_alpha: float = cli.flag(32.0, "LoRA alpha (the update is scaled by alpha / rank)", gt=0)
+    grad_checkpoint: bool = cli.flag(False, "recompute each decoder layer's activations in the backward pass: "
+                                            "less GPU memory, a slower update")
+    memory_cap: float | None = cli.flag(None, "CUDA: cap this process's GPU memory at this many GiB (24: prove "
+                                              "that a run fits a 24 GB card on a larger one)", gt=0)
     webshop_data: str | None = cli.flag(None, "folder with the original WebShop files (default: shipped catalogue)")
     plot: list[str] | None = cli.flag(None, "draw the Echo Trap signals of these run folders into one PNG and exit")
     plot_out: str | None = cli.flag(None, "where --plot writes its PNG (default: FIRST_RUN/echo_trap.png)")
@@ -172,9 +207,24 @@ def derive(cfg: Config) -> Config:
         (cfg.imitation_demos == "hindsight" or cfg.hindsight_imitation, f"--imitation-demos {cfg.imitation_demos}: "
          f"the demos of --hindsight-imitation K, which is 0 in this run (give K >= 1)"),
         (not cfg.webshop_data or cfg.env == "webshop", f"--webshop-data {cfg.webshop_data}: only for --env webshop "
-                                                       f"(this run: --env {cfg.env})")])
+                                                       f"(this run: --env {cfg.env})"),
+        (cfg.filter <= 1 or cfg.filter_strategy == "top_k_abs", f"--filter {cfg.filter}: must be <= 1 with "
+         f"--filter-strategy {cfg.filter_strategy} (a fraction; top_k_abs takes a number of groups)"),
+        (cfg.filter_strategy != "top_k_abs" or float(cfg.filter).is_integer(), f"--filter {cfg.filter}: "
+         f"--filter-strategy top_k_abs keeps a whole number of groups"),
+        (cfg.algo == "ppo" or not cfg.bi_level_gae, "--bi-level-gae: PPO only (it needs the critic's values)"),
+        (cfg.algo == "ppo" or not cfg.turn_rewards, "--turn-rewards: PPO only (GRPO credits the trajectory)"),
+        (not cfg.turn_rewards or cfg.context_turns == 0, f"--turn-rewards: needs --context-turns 0 (one training "
+                                                         f"row per trajectory), got {cfg.context_turns}"),
+        (not cfg.bi_level_gae or cfg.response_mask, "--bi-level-gae: needs --response-mask (turns end at sampled "
+                                                    "tokens)"),
+        (not cfg.collapse_every or cfg.think, f"--collapse-every {cfg.collapse_every}: needs think mode (it scores "
+                                              f"the reasoning between <think> and </think>); this run has --no-think"),
+        (cfg.dual_clip == 0 or cfg.dual_clip > 1, f"--dual-clip {cfg.dual_clip}: must be > 1 (verl's clip_ratio_c; "
+                                                  f"0 = off)")])
     cfg.groups = cfg.prompts * cfg.online_k
-    cfg.groups_kept = max(1, int(cfg.filter * cfg.groups))
+    cfg.groups_kept = {"top_k": max(1, int(cfg.filter * cfg.groups)),  # 0: it varies (top_p, min_p)
+                       "top_k_abs": min(int(cfg.filter), cfg.groups)}.get(cfg.filter_strategy, 0)
     cfg.out = cfg.out if cfg.out is not None else f"runs/{cfg.env}-{cfg.algo}-s{cfg.seed}"
     return cfg
 
@@ -182,17 +232,29 @@ def derive(cfg: Config) -> Config:
 def method_name(cfg: Config) -> str:
     """StarPO-S when the run has the paper's three changes (filter, no KL, Clip-Higher), StarPO when it has none."""
     changes = (cfg.filter < 1, cfg.kl_coef == 0, cfg.clip_high > cfg.clip_low)
-    return "StarPO-S" if all(changes) else "StarPO" if not any(changes) else "StarPO (modified)"
+    name = "StarPO-S" if all(changes) else "StarPO" if not any(changes) else "StarPO (modified)"
+    return name if name.endswith(")") or not beyond_paper(cfg) else f"{name} (modified)"
+
+
+def beyond_paper(cfg: Config) -> list[str]:
+    """The options of RAGEN's later code this run turns on (none: the paper's method)."""
+    return [k for k, on in (("filter " + cfg.filter_strategy, cfg.filter_strategy != "top_k"),
+                            ("by " + cfg.filter_metric, cfg.filter_metric != "reward_std"),
+                            ("no zero groups", not cfg.filter_include_zero), ("turn rewards", cfg.turn_rewards),
+                            ("bi-level GAE", cfg.bi_level_gae), (f"dual clip {cfg.dual_clip:g}", cfg.dual_clip > 0))
+            if on]
 
 
 def describe(cfg: Config, device) -> str:
     """The run's first printed line: the method in words, then env, model and device."""
     kl = f"KL {cfg.kl_coef:g} ({'in the rewards' if cfg.kl_in_reward else 'in the loss'})" if cfg.kl_coef else "no KL"
     kept = "all" if cfg.filter >= 1 else f"{'bottom' if cfg.filter_smallest else 'top'} {cfg.filter:.0%} of"
+    kept = kept if cfg.filter_strategy == "top_k" else f"{cfg.filter_strategy} {cfg.filter:g} of"
     extra = f" + hindsight imitation x{cfg.hindsight_imitation} (GCSL, beyond the paper)" \
         if cfg.hindsight_imitation else ""
+    extra += f" + {', '.join(beyond_paper(cfg))} (RAGEN's later code)" if beyond_paper(cfg) else ""
     model = "tiny policy" if cfg.model == "tiny" else cfg.model
-    return (f"{method_name(cfg)}: {cfg.algo.upper()}, {kept} {cfg.groups} groups by reward std, {kl}, clip "
+    return (f"{method_name(cfg)}: {cfg.algo.upper()}, {kept} {cfg.groups} groups by {cfg.filter_metric.replace('_', ' ')}, {kl}, clip "
             f"{cfg.clip_low:g}/{cfg.clip_high:g}{extra} | {cfg.env} | {model} | {device}")
 
 
@@ -213,9 +275,37 @@ def load_model_and_env(cfg, device):
     positions = getattr(policy.config, "max_position_embeddings", None)
     if positions is not None and cfg.max_new_tokens >= positions:
         raise ValueError(f"--max-new-tokens {cfg.max_new_tokens}: the model reads at most {positions} positions")
+    hidden = getattr(policy.config, "hidden_size", None)
+    if cfg.lora_rank and hidden and cfg.lora_rank > hidden:
+        raise ValueError(f"--lora-rank {cfg.lora_rank}: must be <= the model's hidden size {hidden} (0 = off)")
     env_overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
     ENVS[cfg.env](**env_overrides)
     return policy, tok, path, env_overrides
+
+
+def memory_levers(cfg: Config, policy, critic, ck, state) -> None:
+    """--lora-rank and --grad-checkpoint on the policy and the critic (deviation 9); a LoRA run's adapters and a
+    run's weights restored from its checkpoint `ck` when resuming."""
+    torch.manual_seed(cfg.seed)  # the adapters' random init (lora.py): the same in a run and its resumed copy
+    for model in (policy, critic.backbone if critic is not None else None):
+        if model is not None and cfg.lora_rank:
+            add_lora(model, cfg.lora_rank, cfg.lora_alpha)
+        if model is not None and cfg.grad_checkpoint:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if ck is None:
+        return
+    if cfg.lora_rank:  # the frozen base is the --model's; the adapters are in state.pt
+        policy.load_state_dict(state["lora"], strict=False)
+    else:
+        policy.load_state_dict(load_policy(str(ck / "policy"), policy.device, flag_name=f"--resume {cfg.out}")[0]
+                               .state_dict())
+    if critic is not None:
+        head = torch.load(ck / "critic" / "value_head.pt", map_location=policy.device)
+        if cfg.lora_rank:
+            critic.value_head.load_state_dict(head)
+            critic.load_state_dict(state["critic_lora"], strict=False)
+        else:
+            critic.load_state_dict(load_critic(str(ck / "critic"), policy.device).state_dict())
 
 
 def rollout_config(cfg: Config, temperature: float) -> RolloutConfig:
@@ -247,14 +337,22 @@ def iteration_rollouts(cfg: Config, it: int, policy, tok, rcfg: RolloutConfig, e
 
 
 def filter_groups(cfg: Config, trajs: list):
-    """The StarPO-S filter (section 4.2): the groups with the largest in-group reward std, whole groups in or out.
-    -> (kept trajectories, whether no group has a reward spread, metrics)."""
+    """The StarPO-S filter (section 4.2): the groups with the largest in-group reward std, whole groups in or out
+    (or RAGEN's later rules, --filter-strategy). -> (kept trajectories, why the update is skipped or None, metrics).
+    GRPO with no reward spread in any group has all-zero advantages, and an empty selection has no rows: either
+    update would be a silent no-op, so it is skipped and logged. PPO's advantages are R - V: it updates."""
     rewards = torch.tensor([t.reward for t in trajs]).view(cfg.groups, cfg.rollouts)  # [G, N]
-    keep, fstats = select_groups(rewards, keep=cfg.filter, largest=not cfg.filter_smallest)
+    keep, fstats = select_groups(rewards, keep=cfg.filter, largest=not cfg.filter_smallest,
+                                 strategy=cfg.filter_strategy, include_zero=cfg.filter_include_zero,
+                                 top_p_mode=cfg.filter_top_p_mode, selection_eps=cfg.filter_eps,
+                                 metric=cfg.filter_metric)
     m = {f"rollout/{k}": fstats[k] for k in ("in_group_std", "in_group_std_max", "chosen_in_group_std",
                                              "filter_kept", "zero_std_groups")}
-    return [t for t in trajs if keep[t.group_id]], fstats["all_zero_std"], m
-
+    zero = fstats["all_zero_std"] and cfg.algo == "grpo"
+    m.update({"train/skipped_zero_std": float(zero), "train/skipped_empty_filter": float(fstats["empty_selection"])})
+    skip = "the filter kept no group" if fstats["empty_selection"] else \
+        "every group has zero reward std" if zero else None
+    return [t for t in trajs if keep[t.group_id]], skip, m
 
 
 def weights_finite(policy) -> bool:
@@ -279,12 +377,12 @@ def prepare_batch(kept, cfg: Config, policy, ref, critic, pad_id: int, device, a
         adv_traj = grpo_advantages(scores, [t.group_id for t in kept], norm_by_std=cfg.grpo_std_norm)
     else:
         adv_traj = torch.zeros(len(kept))  # PPO's advantages come from GAE below
-    rows = [(s, t.reward, a) for t, a in zip(kept, adv_traj.tolist()) for s in t.segments]  # one row per segment
+    rows = [(s, t.reward, a, t) for t, a in zip(kept, adv_traj.tolist()) for s in t.segments]  # one per segment
     ids, attn, mask = (x.to(device) for x in pad_segments(
-        [Segment(s.input_ids, trained_mask(s, cfg.response_mask)) for s, _, _ in rows], pad_id))  # [B, T] each
-    row_scores = torch.tensor([r for _, r, _ in rows])                   # [B] each row's trajectory reward
-    row_adv = torch.tensor([a for _, _, a in rows], dtype=torch.float)  # [B] its GRPO advantage (PPO: zeros)
-    pre = shared_prefix_len([s.input_ids for s, _, _ in rows])  # the prompt header, run once
+        [Segment(s.input_ids, trained_mask(s, cfg.response_mask)) for s, *_ in rows], pad_id))  # [B, T] each
+    row_scores = torch.tensor([r for _, r, *_ in rows])                   # [B] each row's trajectory reward
+    row_adv = torch.tensor([a for _, _, a, _ in rows], dtype=torch.float)  # [B] its GRPO advantage (PPO: zeros)
+    pre = shared_prefix_len([s.input_ids for s, *_ in rows])  # the prompt header, run once
     mine = dist.my_range(len(ids))
 
     def run(fn):  # fn(ids, attn) -> [b, T] on this rank's rows (B may be 0), micro-batch by micro-batch -> [B, T]
@@ -305,12 +403,20 @@ def prepare_batch(kept, cfg: Config, policy, ref, critic, pad_id: int, device, a
     metrics = {}
     if cfg.algo == "grpo":
         adv, returns = broadcast_to_tokens(row_adv.to(device), mask), None
-    else:  # the trajectory reward on each row's last trained token; GAE over the trained tokens
-        token_rewards = place_reward_on_last_token(row_scores.to(device), mask)
+    else:  # the trajectory reward on each row's last trained token (or each turn's on its end); GAE over them
+        ends = [s.reply_ends for s, *_ in rows]  # [B] lists: each turn's last sampled token, from the rollout
+        token_rewards = at_positions([[u.reward for u in t.turns[:len(e)]] for (*_, t), e in zip(rows, ends)], ends,
+                                     ids.shape[1]).to(device) if cfg.turn_rewards else \
+            place_reward_on_last_token(row_scores.to(device), mask)
         if cfg.kl_in_reward:  # StarPO with PPO as the paper ran it (RAGEN's apply_kl_penalty)
             token_rewards = kl_penalized_rewards(token_rewards, old_logp, ref_logp, mask, cfg.kl_coef)
             metrics["train/kl_in_reward"] = masked_mean(old_logp - ref_logp, mask).item()
-        adv, returns = gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
+        if cfg.bi_level_gae:  # RAGEN HEAD: turn-level GAE over the turn ends, token-level inside each turn
+            turn_ends = at_positions([[1.0] * len(e) for e in ends], ends, ids.shape[1]).to(device) > 0
+            adv, returns = bi_level_gae(token_rewards, values, mask, turn_ends, cfg.gamma, cfg.lam,
+                                        cfg.high_level_gamma)
+        else:
+            adv, returns = gae(token_rewards, values, mask, cfg.gamma, cfg.lam)
         adv = whiten(adv, mask)  # over the global batch: every rank holds all of it
     return Batch(input_ids=ids, attention_mask=attn, loss_mask=mask, advantages=adv, old_logp=old_logp,
                  ref_logp=ref_logp, returns=returns, old_values=values, prefix_len=pre), metrics
@@ -320,7 +426,7 @@ def prepare_batch(kept, cfg: Config, policy, ref, critic, pad_id: int, device, a
 
 # ------------------------------------------------------------------------------------------- checkpoints
 
-RESUMABLE = {"resume", "steps", "device", "threads"}  # the flags a resumed run may change
+RESUMABLE = {"resume", "steps", "device", "threads", "memory_cap"}  # the flags a resumed run may change
 
 
 def resume_config(cfg: Config, explicit: set[str]) -> Config:
@@ -417,17 +523,14 @@ def main(argv=None):
             k = f" x --online-k {cfg.online_k}" if cfg.online_k > 1 else ""
             raise ValueError(f"--prompts {cfg.prompts}{k}: must be divisible by the number of processes "
                              f"({dist.world_size()}); a prompt group never splits across processes")
-        setup_device(device, cfg.threads)
+        setup_device(device, cfg.threads, cfg.memory_cap)
         policy, tok, path, env_overrides = load_model_and_env(cfg, device)
         critic = load_critic(path, device) if cfg.algo == "ppo" else None
         ref = copy.deepcopy(policy).eval().requires_grad_(False)  # the initial policy: KL anchor and monitor
         found = read_checkpoint(out, device) if cfg.resume else None
         start, state, ck = found or (0, None, None)
         kept_metrics = read_metrics(out / "metrics.jsonl", start) if found and dist.is_main() else None
-        if found:
-            policy.load_state_dict(load_policy(str(ck / "policy"), device, flag_name=f"--resume {out}")[0].state_dict())
-            if critic is not None:
-                critic.load_state_dict(load_critic(str(ck / "critic"), device).state_dict())
+        memory_levers(cfg, policy, critic, ck, state)
     except ValueError as e:
         cli.fail(str(e))
     amp = autocast_dtype(device)
@@ -435,7 +538,8 @@ def main(argv=None):
     ucfg = UpdateConfig(mini_batch=cfg.mini_batch, micro_batch=cfg.micro_batch, clip_low=cfg.clip_low,
                         clip_high=cfg.clip_high, entropy_coef=cfg.entropy_coef, agg=cfg.loss_agg,
                         kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef,  # in the rewards instead: measured only
-                        kl_kind=cfg.kl_kind, temperature=cfg.temperature, fused=cfg.fused)
+                        kl_kind=cfg.kl_kind, temperature=cfg.temperature, fused=cfg.fused,
+                        dual_clip=cfg.dual_clip or None)
     train_rcfg, eval_rcfg = rollout_config(cfg, cfg.temperature), rollout_config(cfg, cfg.eval_temperature)
 
     # ---- the run folder, written from here on (rank 0 only)
@@ -453,7 +557,7 @@ def main(argv=None):
     from tqdm import tqdm
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=method_name(cfg), dynamic_ncols=True,
                disable=not dist.is_main())
-    stop_reason, saved_at, it = None, start if found else 0, start
+    stop_reason, saved_at, it, empty_run = None, start if found else 0, start, 0
     try:
         for it in bar:
             t0 = time.time()
@@ -468,16 +572,16 @@ def main(argv=None):
                                                      "format", "turns", "truncated", "response_length")})
             m.update({"rollout/reward_mean": s["reward"], "rollout/reward_std": rewards.std().item(),
                       "time/rollout": time.time() - t0})
+            if cfg.collapse_every and it % cfg.collapse_every == 0 and dist.is_main():  # RAGEN-2: before the update
+                m.update(measure_collapse(policy, tok, trajs, cfg.collapse_samples, cfg.seed * 1_000_003 + it, amp,
+                                          cfg.temperature))
 
             # 2. StarPO-S uncertainty filter: whole groups in or out by in-group reward std
-            kept, no_spread, fm = filter_groups(cfg, trajs)
+            kept, skip, fm = filter_groups(cfg, trajs)  # skip: why this update would be a silent no-op, if so
             m.update(fm)
-            # With every group's rewards equal, GRPO's advantages are all 0: the update would be a silent no-op, so it
-            # is skipped and logged. PPO's are R - V(s): its policy, entropy bonus and critic still learn.
-            skip = no_spread and cfg.algo == "grpo"
-            m["train/skipped_zero_std"] = float(skip)
+            empty_run = empty_run + 1 if fm["train/skipped_empty_filter"] else 0
             if skip and dist.is_main():
-                tqdm.write(f"[iter {it + 1}] every group has zero reward std: update skipped (logged)")
+                tqdm.write(f"[iter {it + 1}] {skip}: update skipped (logged)")
             if not skip:
                 # 3. the batch: old and reference log-probs, values, advantages (no grad)
                 t1 = time.time()
@@ -518,6 +622,8 @@ def main(argv=None):
                 for w in warnings:
                     tqdm.write(f"[iter {it + 1}] ECHO TRAP WARNING: {w}")
                 stop_reason = warnings[0] if cfg.stop_on_collapse and warnings else None
+                if cfg.filter_empty_stop and empty_run >= cfg.filter_empty_stop:
+                    stop_reason = f"the filter kept no group {empty_run} iterations in a row (--filter-empty-stop)"
                 last = it + 1 == cfg.steps or stop_reason is not None
                 if (evaluates(cfg, it) or last) and not diverged:
                     try:
@@ -536,7 +642,7 @@ def main(argv=None):
             stop_reason = dist.broadcast_object(stop_reason)  # rank 0 decides; the others wait here meanwhile
             if stop_reason:
                 if dist.is_main():
-                    tqdm.write(f"stopping on collapse (--stop-on-collapse): {stop_reason}")
+                    tqdm.write(f"stopping: {stop_reason}")
                 break
     except FloatingPointError as e:  # a diverged policy can no longer sample; every logged line is kept
         where = f"{out}/ckpt-{saved_at:06d}" if saved_at else "none"
@@ -556,7 +662,7 @@ def line(m: dict) -> str:
     """The one printed line per iteration."""
     keys = [("reward", "rollout/reward_mean"), ("succ", "rollout/success"), ("std", "rollout/in_group_std"),
             ("kept_std", "rollout/chosen_in_group_std"), ("fmt", "rollout/format"), ("ent", "train/entropy"),
-            ("gnorm", "train/grad_norm"), ("kl0", "train/kl_to_init"), ("clip", "train/pg_clipfrac"),
+            ("gnorm", "train/grad_norm"), ("kl0", "train/kl_to_init"), ("mi", "collapse/mi"), ("clip", "train/pg_clipfrac"),
             ("eval", "eval/success"), ("s", "time/iteration")]
     return " | ".join([f"it {m['step']}"] + [f"{n} {m[k]:.3g}" for n, k in keys if m.get(k) is not None])
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -62,10 +63,13 @@ def test_train_smoke_writes_metrics_dumps_checkpoint_and_final(bandit_tiny, tmp_
     assert json.loads((tmp_path / "e.json").read_text())["rollout"]["bandit"]["max_turns"] == 5
 
 
-def test_resume_reproduces_an_uninterrupted_run(bandit_tiny, tmp_path):
+@pytest.mark.parametrize("levers", [[], ["--lora-rank", "4", "--grad-checkpoint"]])
+def test_resume_reproduces_an_uninterrupted_run(bandit_tiny, tmp_path, levers):
+    """Also with the memory levers: LoRA adapters (saved in state.pt, the policy merged) and activation
+    checkpointing resume exactly, and a LoRA run's final/ is a plain model that moved off its base."""
     common = [str(ROOT / "train.py"), "--env", "bandit", "--no-think", "--algo", "ppo", "--model", bandit_tiny,
               "--lr", "1e-3", "--critic-lr", "1e-3", "--prompts", "8", "--rollouts", "4", "--filter", "0.5",
-              "--eval-every", "0", "--eval-prompts", "4", "--save-every", "2"]
+              "--eval-every", "0", "--eval-prompts", "4", "--save-every", "2", *levers]
     run(common + ["--steps", "4", "--out", str(tmp_path / "a")], tmp_path)
     run(common + ["--steps", "2", "--out", str(tmp_path / "b")], tmp_path)
     p = run([str(ROOT / "train.py"), "--resume", str(tmp_path / "b"), "--steps", "4"], tmp_path)
@@ -77,6 +81,13 @@ def test_resume_reproduces_an_uninterrupted_run(bandit_tiny, tmp_path):
         for k, v in ra.items():
             if not k.startswith("time/"):
                 assert rb[k] == pytest.approx(v, rel=1e-6, abs=1e-9), (ra["step"], k)
+    if levers:
+        from policy import load_policy
+        final, base = load_policy(str(tmp_path / "a" / "final"))[0], load_policy(bandit_tiny)[0]
+        fw, bw = final.state_dict(), base.state_dict()
+        assert fw.keys() == bw.keys()
+        assert not torch.equal(fw["model.layers.0.self_attn.q_proj.weight"], bw["model.layers.0.self_attn.q_proj.weight"])
+        assert torch.equal(fw["model.norm.weight"], bw["model.norm.weight"])  # frozen outside the adapters
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -85,6 +96,19 @@ def test_resume_reproduces_an_uninterrupted_run(bandit_tiny, tmp_path):
     (["--lr", "-1"], "--lr -1.0"),
     (["--eval-prompts", "300"], "--eval-prompts 300"),
     (["--model", "/nonexistent/folder"], "--model '/nonexistent/folder'"),
+    (["--lora-rank", "-2"], "--lora-rank -2"),
+    (["--lora-rank", "100000"], "--lora-rank 100000: must be <= the model's hidden size"),
+    (["--filter-strategy", "top_q"], "--filter-strategy"),
+    (["--filter-metric", "reward_max"], "--filter-metric"),
+    (["--filter-strategy", "top_p", "--filter", "1.5"], "--filter 1.5: must be <= 1 with --filter-strategy top_p"),
+    (["--filter-strategy", "top_k_abs", "--filter", "2.5"], "--filter 2.5: --filter-strategy top_k_abs keeps a whole"),
+    (["--bi-level-gae"], "--bi-level-gae: PPO only"),
+    (["--turn-rewards"], "--turn-rewards: PPO only"),
+    (["--collapse-every", "5", "--no-think"], "--collapse-every 5: needs think mode"),
+    (["--dual-clip", "0.5"], "--dual-clip 0.5: must be > 1"),
+    (["--dual-clip", "1"], "--dual-clip 1.0: must be > 1"),
+    pytest.param(["--memory-cap", "24"], "--memory-cap 24: caps CUDA memory",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="on CPU only")),
 ])
 def test_bad_flag_values_give_one_error_line(args, needle, tmp_path):
     p = run([str(ROOT / "train.py"), *args, "--out", str(tmp_path / "x")], tmp_path, check=False)
@@ -206,3 +230,33 @@ def test_switches_change_what_they_say(bandit_tiny, tmp_path):
     assert (rows["online2"]["train/rows"], rows["online2"]["train/optimizer_steps"]) == (32, 2)
     assert (rows["epochs2"]["train/rows"], rows["epochs2"]["train/optimizer_steps"]) == (16, 2)
     assert rows["allmask"]["train/rows"] == 16 and rows["allmask"]["train/entropy"] != rows["base"]["train/entropy"]
+
+
+def test_ragens_later_options_run_and_log(bandit_tiny, tmp_path):
+    """RAGEN's later options in one PPO run (beyond the paper, each opt-in): RAGEN-2's top_p filter without zero
+    groups, turn rewards with bi-level GAE, dual clip and the template-collapse metrics every iteration. The run
+    says so in its first line, logs collapse/* with its cost, and an empty selection is skipped and logged; a run
+    whose filter keeps nothing ends after --filter-empty-stop such iterations."""
+    common = [str(ROOT / "train.py"), "--env", "bandit", "--model", bandit_tiny, "--algo", "ppo", "--prompts", "4",
+              "--rollouts", "4", "--eval-every", "0", "--eval-prompts", "4", "--save-every", "0"]
+    p = run(common + ["--steps", "2", "--filter-strategy", "top_p", "--filter", "0.9", "--no-filter-include-zero",
+                      "--turn-rewards", "--bi-level-gae", "--dual-clip", "3", "--collapse-every", "1",
+                      "--out", str(tmp_path / "a")], tmp_path)
+    assert "StarPO-S (modified): PPO, top_p 0.9 of 4 groups by reward std" in p.stdout and "bi-level GAE" in p.stdout and "dual clip 3" in p.stdout
+    rows = read_jsonl(tmp_path / "a" / "metrics.jsonl")
+    for r in rows:
+        assert {"collapse/mi", "collapse/retrieval_acc", "collapse/retrieval_chance", "collapse/cond_entropy",
+                "time/collapse"} <= set(r)
+        assert -1e-3 <= r["collapse/mi"] <= r["collapse/mi_upper_bound"] + 1e-9  # an estimate: rounding
+        assert ("train/pg_clipfrac_dual" in r) != bool(r["train/skipped_empty_filter"])
+    from plot import plot_runs  # the plot grows a sixth panel, MI, for a run that measured it
+    png = Path(plot_runs([str(tmp_path / "a")], str(tmp_path / "mi.png"))).read_bytes()
+    assert int.from_bytes(png[16:20], "big") == round(3.6 * 6 * 110)
+    # a filter that keeps nothing: top_p over the mean reward, every group scoring < 0 (one-token replies never
+    # answer, so every turn pays the format penalty)
+    p = run(common + ["--steps", "6", "--filter-strategy", "top_p", "--filter", "0.5", "--filter-metric",
+                      "reward_mean", "--filter-empty-stop", "2", "--max-new-tokens", "1", "--out",
+                      str(tmp_path / "b")], tmp_path)
+    rows = read_jsonl(tmp_path / "b" / "metrics.jsonl")
+    assert len(rows) == 2 and all(r["train/skipped_empty_filter"] == 1 for r in rows)
+    assert "the filter kept no group 2 iterations in a row" in p.stdout + p.stderr
