@@ -132,7 +132,7 @@ def forward(model, ids: torch.Tensor, pos: torch.Tensor, K: list, V: list) -> to
         g = q.shape[2] // Hkv  # query heads per KV head: HF's repeat_kv pairs query head i with KV head i // g
         q = q.transpose(1, 2).reshape(b, Hkv, g * t, D)                            # [b, Hkv, g*t, D]
         mask = visible[:, None, None].expand(b, 1, g, t, L).reshape(b, 1, g * t, L)
-        o = F.scaled_dot_product_attention(q, k_cache.to(q.dtype), v_cache.to(q.dtype), attn_mask=mask,
+        o = F.scaled_dot_product_attention(q.to(k_cache.dtype), k_cache, v_cache, attn_mask=mask,
                                            scale=getattr(a, "scaling", D ** -0.5))
         h = h + a.o_proj(o.reshape(b, -1, t, D).transpose(1, 2).reshape(b, t, -1))
         h = h + layer.mlp(layer.post_attention_layernorm(h))
@@ -152,7 +152,8 @@ class Engine:
         self.graphs = cuda if graphs is None else graphs and cuda
         # the host reads the rows every step on CPU (free there): sampling then draws for live rows only
         self.sync_every = sync_every or (16 if cuda else 1)
-        self.table = stop_table(tokenizer).to(p.device)
+        V = model.get_output_embeddings().weight.shape[0]  # may exceed len(tokenizer) (Qwen2.5: padded rows)
+        self.table = F.pad(stop_table(tokenizer), (0, max(0, V - len(tokenizer)))).to(p.device)
         self.is_end = torch.zeros(self.table.shape[1], dtype=torch.bool, device=p.device)
         self.is_end[end_ids(model, tokenizer)] = True
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -179,7 +180,7 @@ class Engine:
         if self.K is not None:
             for new, old in zip(K + V, self.K + self.V):
                 new[:, :, :self.capacity] = old
-        self.K, self.V, self.capacity, self.captured = K, V, cap, {}
+        self.K, self.V, self.capacity, self.captured, self.pool = K, V, cap, {}, None
 
     def permute(self, order: list[int], width: int, state: list[torch.Tensor] = ()) -> list[torch.Tensor]:
         """Row i takes old row order[i] (cache columns < width, position, slot, and each per-row `state`)."""
@@ -308,7 +309,7 @@ class Engine:
                 if not live:
                     break
                 if len(live) <= b // 2:  # finished rows move behind the live ones: a smaller batch (bucket)
-                    keep = live + [i for i in range(b) if done[i]]
+                    keep = live + [i for i, x in enumerate(done.tolist()) if x]
                     done, state, t, row_b = self.permute(keep, self.width, [done, state, t, row[:b]])
                     row = torch.cat([row_b, row[b:]])
                     done, state, t = done[:len(live)], state[:len(live)], t[:len(live)]
@@ -339,7 +340,8 @@ def reference_generate(model, tokenizer, prompts: list[list[int]], max_new_token
     kw = cache_keyword(model)
     out = model.base_model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
                            use_cache=True, **{kw: DynamicCache()})
-    head, table = model.get_output_embeddings(), stop_table(tokenizer).to(device)
+    head = model.get_output_embeddings()
+    table = F.pad(stop_table(tokenizer), (0, max(0, head.weight.shape[0] - len(tokenizer)))).to(device)
     ends = set(end_ids(model, tokenizer))
     replies, state, live = [[] for _ in prompts], [0] * B, list(range(B))
     for step in range(max_new_tokens):

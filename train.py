@@ -32,6 +32,10 @@ Deviations from the paper / RAGEN (deliberate):
 9. Memory levers for one GPU (off; the paper's runs train every weight on several GPUs): `--lora-rank R` (lora.py)
    on the policy and the critic's backbone, `--grad-checkpoint` (activations recomputed per decoder layer) and
    `--memory-cap GIB` (the allocator capped, to prove on a large card that a run fits a small one).
+10. RAGEN's later code, each opt-in and named in the first printed line: the filter's rules (`--filter-strategy`,
+   `--filter-metric`, `--no-filter-include-zero`, `--filter-empty-stop`; an empty selection skips the update,
+   logged), `--turn-rewards` and `--bi-level-gae` (PPO), `--dual-clip`, and RAGEN-2's template-collapse metrics
+   (`--collapse-every K`, measured on the rollouts before the update; off by default, unlike RAGEN's every 5).
 """
 from __future__ import annotations
 
