@@ -546,10 +546,9 @@ def _decode_ms(folder, args, graphs: bool) -> dict:
     """The engine's decode step at P x N rows (128 at the paper's batch): one engine, first-turn Sokoban prompts;
     (time of a reply of S + 1 tokens - time of 1 token) / S, medians of --repeats. Random weights almost never
     end a reply, so every row decodes every step."""
-    from envs import train_seeds
+    from envs import make_env, train_seeds
     from policy import autocast_dtype, load_policy
     from rollout import RolloutConfig, header_text, render_ids, turn_text, window_messages
-    from envs import make_env
     from sampler import Engine
     device = torch.device(args.device)
     model, tok, _ = load_policy(str(folder), device)
@@ -558,7 +557,7 @@ def _decode_ms(folder, args, graphs: bool) -> dict:
     prompts = []
     for s in train_seeds(0, args.gpu_prompts):
         e = make_env("sokoban")
-        p = render_ids(tok, window_messages(header_text(e, cfg), [turn_text(1, e.reset(s), 10, cfg)], [], 0), cfg)
+        p = render_ids(tok, window_messages(header_text(e, cfg), [turn_text(1, e.reset(s), cfg.max_actions, cfg)], [], 0), cfg)
         prompts += [p] * args.gpu_rollouts
     engine = Engine(model, tok, rows, graphs=graphs)
     amp = autocast_dtype(device)

@@ -40,8 +40,10 @@ Deviations from the paper / RAGEN (deliberate):
 from __future__ import annotations
 
 import math
+import random
 import re
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -222,8 +224,6 @@ def measure_collapse(model, tok, trajs: list, samples: int, seed: int, amp=None,
     replacement (RAGEN: 64, before the filter), columns by group as RAGEN's; -> its keys under "collapse/", plus
     "time/collapse" (seconds). x = the first turn's prompt through the pre-filled <think> (the tokens before the
     first sampled one, from the loss mask), z = the reasoning of its reply, re-tokenised."""
-    import random
-    import time
     t0 = time.time()
     pick = sorted(random.Random(seed).sample(range(len(trajs)), min(samples, len(trajs))))
     first = [trajs[i] for i in pick if trajs[i].turns and trajs[i].segments]

@@ -48,13 +48,14 @@ ARCHS = ("qwen2", "llama")  # decoder layers that `forward` reproduces (tested a
 
 # ------------------------------------------------------------------------------------- stopping
 @functools.cache  # per tokenizer object (tokenizers hash by identity; the cache holds them)
-def stop_table(tokenizer) -> torch.Tensor:
+def stop_table(tokenizer, vocab: int | None = None) -> torch.Tensor:
     """[len(STOP_TEXT) + 1, V] automaton: state s = how many characters of "</answer>" the reply's text ends with
     (all of them = stopped, absorbing); table[s, t] = the state after token t. Built from token pieces (the
-    characters of "</answer>" are themselves in byte-level and sentencepiece vocabularies)."""
+    characters of "</answer>" are themselves in byte-level and sentencepiece vocabularies). `vocab`: the model's
+    output size when it exceeds the tokenizer's (Qwen2.5 pads its embeddings): those ids reset the automaton."""
     S, m = STOP_TEXT, len(STOP_TEXT)
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    table = torch.zeros(m + 1, len(pieces), dtype=torch.long)
+    table = torch.zeros(m + 1, max(len(pieces), vocab or 0), dtype=torch.long)
     table[m] = m
 
     def run(s: int, text: str) -> int:  # "</answer>" has no border but "<": a mismatch restarts at 0 or 1
@@ -152,8 +153,7 @@ class Engine:
         self.graphs = cuda if graphs is None else graphs and cuda
         # the host reads the rows every step on CPU (free there): sampling then draws for live rows only
         self.sync_every = sync_every or (16 if cuda else 1)
-        V = model.get_output_embeddings().weight.shape[0]  # may exceed len(tokenizer) (Qwen2.5: padded rows)
-        self.table = F.pad(stop_table(tokenizer), (0, max(0, V - len(tokenizer)))).to(p.device)
+        self.table = stop_table(tokenizer, model.get_output_embeddings().weight.shape[0]).to(p.device)
         self.is_end = torch.zeros(self.table.shape[1], dtype=torch.bool, device=p.device)
         self.is_end[end_ids(model, tokenizer)] = True
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -341,7 +341,7 @@ def reference_generate(model, tokenizer, prompts: list[list[int]], max_new_token
     out = model.base_model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
                            use_cache=True, **{kw: DynamicCache()})
     head = model.get_output_embeddings()
-    table = F.pad(stop_table(tokenizer), (0, max(0, head.weight.shape[0] - len(tokenizer)))).to(device)
+    table = stop_table(tokenizer, head.weight.shape[0]).to(device)
     ends = set(end_ids(model, tokenizer))
     replies, state, live = [[] for _ in prompts], [0] * B, list(range(B))
     for step in range(max_new_tokens):

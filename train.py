@@ -304,9 +304,8 @@ def memory_levers(cfg: Config, policy, critic, ck, state) -> None:
         policy.load_state_dict(load_policy(str(ck / "policy"), policy.device, flag_name=f"--resume {cfg.out}")[0]
                                .state_dict())
     if critic is not None:
-        head = torch.load(ck / "critic" / "value_head.pt", map_location=policy.device)
-        if cfg.lora_rank:
-            critic.value_head.load_state_dict(head)
+        if cfg.lora_rank:  # the head beside the merged backbone, the adapters from state.pt
+            critic.value_head.load_state_dict(torch.load(ck / "critic" / "value_head.pt", map_location=policy.device))
             critic.load_state_dict(state["critic_lora"], strict=False)
         else:
             critic.load_state_dict(load_critic(str(ck / "critic"), policy.device).state_dict())
@@ -381,12 +380,12 @@ def prepare_batch(kept, cfg: Config, policy, ref, critic, pad_id: int, device, a
         adv_traj = grpo_advantages(scores, [t.group_id for t in kept], norm_by_std=cfg.grpo_std_norm)
     else:
         adv_traj = torch.zeros(len(kept))  # PPO's advantages come from GAE below
-    rows = [(s, t.reward, a, t) for t, a in zip(kept, adv_traj.tolist()) for s in t.segments]  # one per segment
+    rows = [(s, a, t) for t, a in zip(kept, adv_traj.tolist()) for s in t.segments]  # one row per segment
     ids, attn, mask = (x.to(device) for x in pad_segments(
-        [Segment(s.input_ids, trained_mask(s, cfg.response_mask)) for s, *_ in rows], pad_id))  # [B, T] each
-    row_scores = torch.tensor([r for _, r, *_ in rows])                   # [B] each row's trajectory reward
-    row_adv = torch.tensor([a for _, _, a, _ in rows], dtype=torch.float)  # [B] its GRPO advantage (PPO: zeros)
-    pre = shared_prefix_len([s.input_ids for s, *_ in rows])  # the prompt header, run once
+        [Segment(s.input_ids, trained_mask(s, cfg.response_mask)) for s, _, _ in rows], pad_id))  # [B, T] each
+    row_scores = torch.tensor([t.reward for _, _, t in rows])             # [B] each row's trajectory reward
+    row_adv = torch.tensor([a for _, a, _ in rows], dtype=torch.float)  # [B] its GRPO advantage (PPO: zeros)
+    pre = shared_prefix_len([s.input_ids for s, _, _ in rows])  # the prompt header, run once
     mine = dist.my_range(len(ids))
 
     def run(fn):  # fn(ids, attn) -> [b, T] on this rank's rows (B may be 0), micro-batch by micro-batch -> [B, T]
@@ -408,8 +407,8 @@ def prepare_batch(kept, cfg: Config, policy, ref, critic, pad_id: int, device, a
     if cfg.algo == "grpo":
         adv, returns = broadcast_to_tokens(row_adv.to(device), mask), None
     else:  # the trajectory reward on each row's last trained token (or each turn's on its end); GAE over them
-        ends = [s.reply_ends for s, *_ in rows]  # [B] lists: each turn's last sampled token, from the rollout
-        token_rewards = at_positions([[u.reward for u in t.turns[:len(e)]] for (*_, t), e in zip(rows, ends)], ends,
+        ends = [s.reply_ends for s, _, _ in rows]  # [B] lists: each turn's last sampled token, from the rollout
+        token_rewards = at_positions([[u.reward for u in t.turns[:len(e)]] for (_, _, t), e in zip(rows, ends)], ends,
                                      ids.shape[1]).to(device) if cfg.turn_rewards else \
             place_reward_on_last_token(row_scores.to(device), mask)
         if cfg.kl_in_reward:  # StarPO with PPO as the paper ran it (RAGEN's apply_kl_penalty)
