@@ -4,9 +4,9 @@
 
 Reads each run folder's metrics.jsonl (one line per iteration, written by train.py) and config.json, and draws
 the four signals the paper watches for the collapse (average reward, in-group reward std, grad norm, entropy)
-plus eval success with its 95% interval, and RAGEN-2's mutual information between prompt and reasoning when a run
-measured it (`--collapse-every`): the raw trace faint, a running mean of 5 bold, an x where train.py's
-Echo Trap monitor fired on that signal. Runs are labelled by the settings that differ between them.
+plus eval success with its 95% interval, and RAGEN-2's mutual information between prompt and reasoning and its
+prompt-retrieval accuracy (against chance) when a run measured them (`--collapse-every`): the raw trace faint, a
+running mean of 5 bold, an x where train.py's Echo Trap monitor fired on that signal. Runs are labelled by the settings that differ between them.
 
 Its own file because drawing is not training: train.py only hands `--plot` over to `plot_runs`.
 
@@ -26,6 +26,7 @@ PLOT_KEYS = [("rollout/reward_mean", "average reward", None), ("rollout/in_group
              ("train/grad_norm", "grad norm", "grad_spike"), ("train/entropy", "entropy", "entropy_swing"),
              ("eval/success", "eval success (95% CI)", None)]
 MI_KEY = ("collapse/mi", "MI(prompt; reasoning)", "mi_collapse")  # drawn when a run has it (template collapse)
+RETRIEVAL_KEY = ("collapse/retrieval_acc", "prompt retrieval (dashed: chance)", None)  # MI's readable twin
 PLOT_SAME = {"out", "resume", "overwrite", "plot", "plot_out", "groups", "groups_kept"}  # never named in labels
 
 
@@ -57,7 +58,8 @@ def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
-    panels = PLOT_KEYS[:-1] + [MI_KEY] * any(MI_KEY[0] in r for rows in runs.values() for r in rows) + PLOT_KEYS[-1:]
+    measured = any(MI_KEY[0] in r for rows in runs.values() for r in rows)
+    panels = PLOT_KEYS[:-1] + [MI_KEY, RETRIEVAL_KEY] * measured + PLOT_KEYS[-1:]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.6))
     for n, (run, rows) in enumerate(runs.items()):
         c, color = cfgs[run], f"C{n % 10}"
@@ -73,6 +75,10 @@ def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
             if key == "eval/success":
                 bars = [[r[key] - r["eval/success_lo"] for r in have], [r["eval/success_hi"] - r[key] for r in have]]
                 ax.errorbar(xs, ys, yerr=bars, color=color, marker="o", ms=4, capsize=4, lw=1.5, label=label)
+                continue
+            if key == RETRIEVAL_KEY[0]:  # measured every K iterations: points, and the chance level 1/N-ish
+                ax.plot(xs, ys, color=color, lw=1.5, marker=".", label=label)
+                ax.plot(xs, [r["collapse/retrieval_chance"] for r in have], color=color, lw=1, ls="--")
                 continue
             ax.plot(xs, ys, color=color, lw=0.8, alpha=0.3, marker="." if key == MI_KEY[0] else None)
             trend = [statistics.fmean(ys[max(0, i - 4):i + 1]) for i in range(len(ys))]  # the running mean of 5

@@ -249,9 +249,9 @@ def test_ragens_later_options_run_and_log(bandit_tiny, tmp_path):
                 "time/collapse"} <= set(r)
         assert -1e-3 <= r["collapse/mi"] <= r["collapse/mi_upper_bound"] + 1e-9  # an estimate: rounding
         assert ("train/pg_clipfrac_dual" in r) != bool(r["train/skipped_empty_filter"])
-    from plot import plot_runs  # the plot grows a sixth panel, MI, for a run that measured it
+    from plot import plot_runs  # two more panels, MI and prompt retrieval, for a run that measured them
     png = Path(plot_runs([str(tmp_path / "a")], str(tmp_path / "mi.png"))).read_bytes()
-    assert int.from_bytes(png[16:20], "big") == round(3.6 * 6 * 110)
+    assert int.from_bytes(png[16:20], "big") == round(3.6 * 7 * 110)
     # a filter that keeps nothing: top_p over the mean reward, every group scoring < 0 (one-token replies never
     # answer, so every turn pays the format penalty)
     p = run(common + ["--steps", "6", "--filter-strategy", "top_p", "--filter", "0.5", "--filter-metric",
