@@ -4,13 +4,17 @@ Every linear layer of the transformer blocks (attention q/k/v/o and MLP gate/up/
 head) gets y = W x + (alpha / r) * B A x (eq. 3) with W frozen, A random, B = 0, so training starts exactly at the
 pretrained model; `merge_lora` writes W + (alpha / r) B A into plain nn.Linear layers that save_pretrained exports.
 The paper's SFT baseline uses rank 64, alpha 32 (Appendix G; `sft_baseline.py --lora-rank`); `train.py --lora-rank`
-uses it for RL (beyond the paper, whose RL runs train every weight), to fit larger models on one card.
+uses it for RL (beyond the paper, whose RL runs train every weight), to fit larger models on one card; there
+`adapters_off` turns the policy back into its frozen base, the KL reference, without a second copy of the weights.
 
 Deviations from the paper / RAGEN (deliberate):
 1. None in the method; peft's defaults are followed where the paper is silent (A: nn.Linear's init, B: zeros).
+2. A LoRA run's reference model is the policy with its adapters off (verl's `ref_in_actor` does the same), not a
+   copy: equal to the initial policy, since B = 0 at the start and the base never trains.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -29,8 +33,11 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=w.device, dtype=w.dtype))  # [r, in]
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=w.device, dtype=w.dtype))  # [out, r]
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear (and peft): B = 0 keeps y = base(x)
+        self.off = False  # set by adapters_off: the frozen base alone
 
     def forward(self, x):
+        if self.off:
+            return self.base(x)
         return self.base(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
 
     @torch.no_grad()
@@ -55,6 +62,20 @@ def add_lora(model: nn.Module, rank: int, alpha: float) -> list[str]:
         owner = model.get_submodule(parent) if parent else model
         setattr(owner, child, LoRALinear(getattr(owner, child), rank, alpha))
     return names
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module):
+    """Inside the block `model` computes its frozen base alone (every LoRALinear's update skipped): a LoRA run's
+    KL reference, the initial policy, at no extra memory (deviation 2)."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    for m in layers:
+        m.off = True
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.off = False
 
 
 def merge_lora(model: nn.Module) -> int:

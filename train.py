@@ -23,7 +23,8 @@ Deviations from the paper / RAGEN (deliberate):
    trained every token after the system prompt (`--no-response-mask`).
 5. A batch whose groups all have zero reward std is logged (`train/skipped_zero_std`) and, for GRPO, skipped:
    its advantages would all be 0. PPO's are R - V: it updates.
-6. The KL reference is the initial policy, kept in memory (as verl's ref model).
+6. The KL reference is the initial policy, kept in memory (as verl's ref model); with `--lora-rank` it is the
+   policy with its adapters off (lora.adapters_off, verl's ref_in_actor): no second copy of the weights.
 7. Under torchrun (distributed.py; RAGEN: verl + Ray) each rank rolls out P / W whole groups, then all is gathered:
    the filter, advantages and metrics run on the same data; rank r samples with seed + r * 2**40; only rank 0
    logs, evaluates and writes checkpoints.
@@ -39,6 +40,7 @@ Deviations from the paper / RAGEN (deliberate):
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -59,7 +61,7 @@ from advantages import (at_positions, bi_level_gae, broadcast_to_tokens, gae, gr
 from envs import ENVS, train_seeds
 from eval import ROLLOUT_KEYS, evaluate, saved_rollout_settings, summarize
 from filter import METRICS, STRATEGIES, TOP_P_MODES, select_groups
-from lora import add_lora
+from lora import adapters_off, add_lora
 from checkpoint import read_checkpoint, read_metrics, save_checkpoint, save_final
 from monitor import EchoMonitor, measure_collapse, watch
 from policy import autocast_dtype, load_critic, load_policy, model_kind, pad_segments, pick_device, setup_device
@@ -393,15 +395,19 @@ def prepare_batch(kept, cfg: Config, policy, ref, critic, pad_id: int, device, a
         parts = [fn(my_ids[j:j + micro], my_attn[j:j + micro]) for j in range(0, len(my_ids), micro)]
         return dist.gather_rows(torch.cat(parts) if parts else torch.zeros(my_ids.shape, device=device), len(ids))
 
-    def logp(model):
-        return lambda i, a: token_logprobs(model, i, a, cfg.temperature, cfg.fused, prefix_len=pre)[0].float()
+    def logp(model, base_only=False):  # base_only: a LoRA policy's frozen base, its reference (deviation 6)
+        def fn(i, a):
+            with adapters_off(model) if base_only else contextlib.nullcontext():
+                return token_logprobs(model, i, a, cfg.temperature, cfg.fused, prefix_len=pre)[0].float()
+        return fn
     # No forward pass whose answer is known: one optimizer step on these fresh rollouts has ratio 1, so update()
     # takes the old log-probs from its own forward. Without a KL term the reference only feeds the
     # train/kl_to_init monitor, measured on the iterations that evaluate.
     one_step = len(ids) <= cfg.mini_batch and cfg.ppo_epochs == 1 and not cfg.kl_in_reward
     with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
         old_logp = None if one_step else run(logp(policy))                                  # [B, T]
-        ref_logp = run(logp(ref)) if cfg.kl_coef > 0 or on_eval else None                   # [B, T]
+        ref_fn = logp(policy, base_only=True) if ref is None else logp(ref)
+        ref_logp = run(ref_fn) if cfg.kl_coef > 0 or on_eval else None                      # [B, T]
         values = run(lambda i, a: critic(i, a).float()) if critic is not None else None     # [B, T]
     metrics = {}
     if cfg.algo == "grpo":
@@ -529,7 +535,7 @@ def main(argv=None):
         setup_device(device, cfg.threads, cfg.memory_cap)
         policy, tok, path, env_overrides = load_model_and_env(cfg, device)
         critic = load_critic(path, device) if cfg.algo == "ppo" else None
-        ref = copy.deepcopy(policy).eval().requires_grad_(False)  # the initial policy: KL anchor and monitor
+        ref = None if cfg.lora_rank else copy.deepcopy(policy).eval().requires_grad_(False)  # KL anchor (dev. 6)
         found = read_checkpoint(out, device) if cfg.resume else None
         start, state, ck = found or (0, None, None)
         kept_metrics = read_metrics(out / "metrics.jsonl", start) if found and dist.is_main() else None

@@ -77,6 +77,27 @@ def test_only_lora_parameters_get_gradients():
     assert all(p.abs().sum() > 0 for n, p in model.named_parameters() if n.endswith("lora_B"))
 
 
+def test_adapters_off_is_the_initial_model_without_a_copy():
+    """A LoRA run's KL reference (train.py deviation 6): the trained policy with its adapters off computes the
+    initial model exactly, and the adapters come back on after the block, also when it raises."""
+    model = small_qwen()
+    ids = torch.randint(0, 48, (2, 9), generator=torch.Generator().manual_seed(3))
+    start = logits(model, ids)
+    lora.add_lora(model, rank=4, alpha=8.0)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, lora.LoRALinear):
+                m.lora_B.normal_(0, 0.5)  # as after training
+    trained = logits(model, ids)
+    assert not torch.allclose(trained, start)
+    with lora.adapters_off(model):
+        assert torch.equal(logits(model, ids), start)
+    assert torch.equal(logits(model, ids), trained)
+    with pytest.raises(RuntimeError), lora.adapters_off(model):
+        raise RuntimeError("inside")
+    assert torch.equal(logits(model, ids), trained)
+
+
 def test_merged_equals_unmerged_and_saves_as_a_plain_model(tmp_path):
     model = small_qwen()
     plain_keys = set(model.state_dict())

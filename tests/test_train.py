@@ -63,10 +63,11 @@ def test_train_smoke_writes_metrics_dumps_checkpoint_and_final(bandit_tiny, tmp_
     assert json.loads((tmp_path / "e.json").read_text())["rollout"]["bandit"]["max_turns"] == 5
 
 
-@pytest.mark.parametrize("levers", [[], ["--lora-rank", "4", "--grad-checkpoint"]])
+@pytest.mark.parametrize("levers", [[], ["--lora-rank", "4", "--grad-checkpoint", "--kl-coef", "0.01"]])
 def test_resume_reproduces_an_uninterrupted_run(bandit_tiny, tmp_path, levers):
     """Also with the memory levers: LoRA adapters (saved in state.pt, the policy merged) and activation
-    checkpointing resume exactly, and a LoRA run's final/ is a plain model that moved off its base."""
+    checkpointing resume exactly, with a KL term to the adapters-off reference, and a LoRA run's final/ is a plain
+    model that moved off its base."""
     common = [str(ROOT / "train.py"), "--env", "bandit", "--no-think", "--algo", "ppo", "--model", bandit_tiny,
               "--lr", "1e-3", "--critic-lr", "1e-3", "--prompts", "8", "--rollouts", "4", "--filter", "0.5",
               "--eval-every", "0", "--eval-prompts", "4", "--save-every", "2", *levers]
