@@ -44,6 +44,9 @@ def test_mi_warning_fires_only_on_a_collapsing_mi_when_it_is_measured():
     # MI 0 from the start (identical prompts): nothing to lose, never a warning
     mon = EchoMonitor()
     assert not any(echo_check(mon, {"collapse/mi": 0.0}) for _ in range(10))
+    # MI at noise level from the start (Bandit: +-0.002 nats): halving noise is not a collapse
+    mon = EchoMonitor()
+    assert not any(echo_check(mon, {"collapse/mi": mi}) for mi in (2e-3, 1e-3, 2e-3, 1e-4, -1e-3, 0.0, 1e-5))
     # the monitor still round-trips through its checkpoint form, with and without the new fields
     from dataclasses import asdict
     state = asdict(mon)
