@@ -144,12 +144,15 @@ def read_json(path: Path | str, what: str) -> dict:
     return data
 
 
-def writable_file(path: str, flag_name: str) -> Path:
-    """Check, before any work, that `path` can be written (its folder exists, it is not a folder itself)."""
+def writable_file(path: str, flag_name: str, new: bool = False) -> Path:
+    """Check, before any work, that `path` can be written (its folder exists, it is not a folder itself; `new`:
+    it does not exist yet, so no earlier result is replaced)."""
     p = Path(path)
     parent = p.parent if str(p.parent) else Path(".")
     if p.is_dir():
         raise ValueError(f"{flag_name} {path}: is a folder, not a file")
+    if new and p.exists():
+        raise ValueError(f"{flag_name} {path}: exists; nothing is replaced: choose another file or remove it first")
     if not parent.is_dir():
         raise ValueError(f"{flag_name} {path}: its folder {parent} does not exist")
     if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
@@ -157,28 +160,54 @@ def writable_file(path: str, flag_name: str) -> Path:
     return p
 
 
-def run_folder(path: str, flag_name: str, overwrite: bool, resumable: bool = False) -> Path:
+# What a run writes into its folder (train.py, sft_baseline.py, --plot): --overwrite removes these and only these
+RUN_FILES = ("config.json", "metrics.jsonl", "latest", ".latest.tmp", "ckpt-*", ".tmp-ckpt-*", "trajectories-*.txt",
+             "final", "echo_trap.png", "result.json", "expert-trajectories.txt")
+
+
+def foreign_files(folder: Path, patterns=RUN_FILES) -> list[str]:
+    """The entries of `folder` that none of `patterns` (what the script writes) matches."""
+    return sorted(p.name for p in folder.iterdir() if not any(p.match(pat) for pat in patterns))
+
+
+def run_folder(path: str, flag_name: str, overwrite: bool, resumable: bool = False, patterns=RUN_FILES,
+               marker: tuple[str, ...] = ("config.json", "metrics.jsonl"), what: str = "a run") -> Path:
     """Check that a new run may be written into `path` and nothing there would be lost: a folder that does not
     exist yet (its parent must be a writable folder, or creatable), an empty one, or, with --overwrite, an
-    earlier run's folder (`resumable`: the script has --resume, and the error says so). Nothing is written here."""
+    earlier run's folder: one that holds the `marker` files and nothing that `patterns` (what a run writes) does
+    not match. A model folder, the shipped prior or any other folder is refused whatever the flags
+    (`resumable`: the script has --resume, and the error says so). Nothing is written here."""
     if not path:
         raise ValueError(f"{flag_name} '': needs a folder path")
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise ValueError(f"{flag_name} {path}: exists and is not a folder")
     if p.is_dir() and any(p.iterdir()):
-        if not (p / "config.json").exists():
-            raise ValueError(f"{flag_name} {path}: a folder with other files in it, not a run folder; choose "
-                             f"another {flag_name}")
+        foreign = foreign_files(p, patterns)
+        if foreign or not all((p / m).exists() for m in marker):
+            names = foreign or sorted(x.name for x in p.iterdir())
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            raise ValueError(f"{flag_name} {path}: holds files that {what} does not write ({shown}); nothing there "
+                             f"is replaced, even with --overwrite: choose another {flag_name}")
         if not overwrite:
             resume = f"continue it with --resume {path}, " if resumable else f"choose another {flag_name}, "
-            raise ValueError(f"{flag_name} {path}: a run is already there; {resume}or replace it with --overwrite")
+            raise ValueError(f"{flag_name} {path}: {what} is already there; {resume}or replace it with --overwrite")
     existing = next(q for q in [p, *p.parents] if q.exists())  # the nearest folder that exists
     if not existing.is_dir():
         raise ValueError(f"{flag_name} {path}: {existing} is a file, so no folder can be made under it")
     if not os.access(existing, os.W_OK):
         raise ValueError(f"{flag_name} {path}: {existing} is not writable")
     return p
+
+
+def clear_run_folder(folder: Path, patterns=RUN_FILES) -> None:
+    """--overwrite, once the inputs are checked: remove what an earlier run wrote (run_folder allowed only
+    a folder that holds nothing else), never the folder's other contents."""
+    import shutil
+    if folder.is_dir():
+        for p in folder.iterdir():
+            if any(p.match(pat) for pat in patterns):
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
 def fail(message: str, prog: str | None = None, code: int = 2) -> typing.NoReturn:

@@ -69,7 +69,7 @@ class Config:
     device: str = cli.flag("auto", "auto, cpu, cuda or cuda:N")
     threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)", lo=1)
     webshop_data: str | None = cli.flag(None, "folder with the original WebShop files (default: shipped catalogue)")
-    json: str | None = cli.flag(None, "write the numbers to this JSON file")
+    json: str | None = cli.flag(None, "write the numbers to this new JSON file (an existing file is refused)")
     dump: int = cli.flag(0, "print this many trajectories as readable text", lo=0)
 
 
@@ -183,7 +183,7 @@ def main(argv=None):
              f"--webshop-data {cfg.webshop_data}: only for the webshop env (evaluating: {', '.join(envs)})"),
         ])
         if cfg.json:
-            cli.writable_file(cfg.json, "--json")
+            cli.writable_file(cfg.json, "--json", new=True)
         from policy import load_policy, pick_device, setup_device
         device = pick_device(cfg.device)
         setup_device(device, cfg.threads)

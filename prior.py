@@ -223,6 +223,10 @@ def warm_up(tok, data, model_cfg: dict, warmup: dict, progress: bool):
 
 # ----------------------------------------------------------------------------- python prior.py
 
+PRIOR_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+               "chat_template.jinja", "special_tokens_map.json")  # what `save` writes: --overwrite replaces only these
+
+
 def save(model, tok, out: Path) -> None:
     """Write the prior as a plain `save_pretrained` folder, atomically (a temp folder renamed into place)."""
     import transformers
@@ -284,7 +288,8 @@ def main(argv=None):
     try:
         cfg, _ = cli.parse(Config, argv, description=__doc__.split("\n")[0])
         cli.check(cli.bounds(cfg))
-        out = cli.run_folder(cfg.out, "--out", cfg.overwrite)  # a prior folder holds config.json, as a run's does
+        out = cli.run_folder(cfg.out, "--out", cfg.overwrite, patterns=PRIOR_FILES,
+                             marker=("config.json", "model.safetensors"), what="a prior build")
     except ValueError as e:
         cli.fail(str(e))
     torch.set_num_threads(1)

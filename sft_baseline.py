@@ -244,7 +244,7 @@ def main(argv=None):
     except ValueError as e:
         cli.fail(str(e))
     if cfg.overwrite and out.exists():  # the inputs are good: only now is the earlier run replaced
-        shutil.rmtree(out)
+        cli.clear_run_folder(out)
     out.mkdir(parents=True, exist_ok=True)
     amp = autocast_dtype(device)
     if cfg.lora_rank > 0:

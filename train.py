@@ -480,7 +480,7 @@ def open_run_folder(cfg: Config, out: Path, start: int, kept_metrics: list[str] 
     metrics_path = out / "metrics.jsonl"
     if dist.is_main():
         if cfg.overwrite and not cfg.resume and out.exists():
-            shutil.rmtree(out)
+            cli.clear_run_folder(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
         for old in out.glob("trajectories-*.txt"):  # dumps of iterations after the checkpoint are rewritten

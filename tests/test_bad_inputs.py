@@ -239,3 +239,51 @@ def test_a_diverged_run_ends_in_one_line_and_keeps_its_metrics(bandit_tiny, tmp_
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert exit_.value.code == 1 and len(err) == 1 and ("diverged" in err[0] or "non-finite" in err[0])
     assert rows and rows[-1]["step"] == int(err[0].split("iteration ")[1].split(":")[0])
+
+
+@pytest.mark.parametrize("script, args", [
+    ("train", ["--out", "FOLDER", "--overwrite"]),
+    ("train", ["--out", "FOLDER"]),
+    ("sft", ["--out", "FOLDER", "--overwrite"]),
+    ("prior", ["--out", "RUN", "--overwrite"]),
+])
+def test_overwrite_never_deletes_what_a_run_did_not_write(script, args, base_run, bandit_tiny, tmp_path, capsys,
+                                                         monkeypatch):
+    """Issue 53: `--out` on a model folder (a copy of the shipped prior) said "a run is already there ... or
+    replace it with --overwrite", and --overwrite then deleted its weights and tokenizer. A folder that is not
+    the script's own output is refused whatever the flags, and every file in it stays as it was."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "model-copy"
+    shutil.copytree(ROOT / "prior", folder)
+    run = tmp_path / "run-copy"
+    shutil.copytree(base_run, run)
+    before = snapshot(folder), snapshot(run)
+    argv = [a.replace("FOLDER", str(folder)).replace("RUN", str(run)) for a in args]
+    with pytest.raises(SystemExit) as exit_:
+        SCRIPTS[script].main(argv + (["--model", bandit_tiny] if script != "prior" else []))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 2 and len(err) == 1 and "does not write" in err[0], err
+    assert (snapshot(folder), snapshot(run)) == before
+
+
+def test_overwrite_replaces_only_the_runs_own_files(base_run, bandit_tiny, tmp_path, monkeypatch):
+    """A run folder may be replaced; a file the user added to it makes it not a run's any more (refused)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run = tmp_path / "copy"
+    shutil.copytree(base_run, run)
+    (run / "notes.txt").write_text("mine")
+    args = ["--env", "bandit", "--no-think", "--model", bandit_tiny, "--steps", "1", "--prompts", "4",
+            "--rollouts", "4", "--eval-every", "0", "--eval-prompts", "2", "--out", str(run), "--overwrite"]
+    with pytest.raises(SystemExit):
+        train.main(args)
+    assert (run / "notes.txt").read_text() == "mine" and (run / "ckpt-000002").is_dir()
+
+
+def test_eval_json_never_replaces_an_existing_file(tmp_path, capsys):
+    target = tmp_path / "e.json"
+    target.write_text('{"mine": 1}')
+    with pytest.raises(SystemExit) as exit_:
+        eval_py.main(["--policy", "random", "--env", "bandit", "--prompts", "2", "--json", str(target)])
+    assert exit_.value.code == 2 and "exists" in capsys.readouterr().err
+    assert target.read_text() == '{"mine": 1}'
