@@ -1,40 +1,19 @@
-"""Text environments of the RAGEN paper: Bandit (three arm namings), Sokoban (three variants), FrozenLake.
+"""Text environments of the RAGEN paper (section 3.1): Bandit (three arm namings), Sokoban (three variants),
+FrozenLake; WebShop, the fourth and largest, lives in extras/webshop.py.
 
-Concept: every environment is a small, seeded, text-in/text-out class with one public shape (`make_env`, `name`,
-`actions`, `instruction`, `reset(seed)`, `step(action)`, `render()`, `expert_action()`, `done`). The paper's
-symbolic tasks (Section 3.1): Bandit (one step, stochastic payoff, risk-sensitive reasoning), Sokoban (multi-turn,
-deterministic, irreversible pushes), FrozenLake (multi-turn, stochastic transitions). Evaluation uses 256 fixed
-prompts (Section 3.3): `EVAL_SEEDS` = 123..378; `train_seeds` draws training seeds that never collide with them.
-The initial state (room/map generation, arm order) comes from a `numpy.random.Generator` seeded by `reset(seed)`,
-the dynamics' noise (bandit payoffs, slips) from a second one seeded by (seed, sample): (seed, sample, action
-words) fully determine an episode (deviation 2). The experts feed the SFT baseline (Appendix G) and the tests. Sokoban also
-tells where an episode left its boxes and can move its targets (`reached_goal`, `set_goal`: train.py --hindsight).
-
-Deliberate deviations from the paper or RAGEN's code:
-1. Bandit's safe arm pays 0.15 (the paper's Appendix; RAGEN's code: 0.1); risky: 1.0 w.p. 0.25 in both.
-   RAGEN's held-out names (BanditTest: safe "Trader", risky "Librarian") are the env `bandit-test`.
-2. The N rollouts of a prompt share its start and, with the same `sample`, its payoffs and slips, as RAGEN seeds
-   a group (train.py --group-noise). Arms: alphabetical in the instruction, in a random order per reset.
-3. Sokoban: one numpy Generator per reset (RAGEN: global `random` + legacy numpy, re-seeded by `hash(str(seed))`
-   on a failure): same algorithm and distribution, other rooms. FrozenLake's maps are RAGEN's on all 256 eval seeds.
-4. Sokoban generation is gym-sokoban's (random-walk topology, reverse play by a depth-limited DFS scored by box
-   swaps x displacement, 0-3 random player moves), RAGEN's DFS depths (300; newvocab 30, large 10), no length filter.
-5. Sokoban's reward is gym-sokoban's (-0.1 per step, +-1 per box on or off a target, +10 solved), without
-   its 100-step limit (the rollout owns budgets). An unknown word is invalid: reward 0, nothing changes.
-6. Grids are rows of symbols without spaces; instructions are short paraphrases of RAGEN's prompts.
-7. FrozenLake: RAGEN's maps (frozen w.p. 0.8, regenerated until a path avoids the holes), gymnasium's slips
-   (intended or either perpendicular direction, 1/3 each) drawn from the env's own Generator.
-8. Experts (RAGEN: none for FrozenLake, a depth-100 BFS for Sokoban): Sokoban, the first step of an uncapped
-   fewest-moves BFS plan; FrozenLake, the most likely to ever reach the goal, ties by the 0.9-discounted value.
-9. `describe()` says where things are ("player at 3 5, box at 4 4, target at 5 3"; rows, columns from 1): the SFT
-   expert's thought starts with it (`expert_note()`), Sokoban's adds its plan's next push and where
-   it stands to push (docs/sft.md); Sokoban's `note(moves)` says the same of any moves (a hindsight demo's thought).
+Every environment is a small, seeded, text-in/text-out class with one public shape (`name`, `actions`,
+`instruction`, `reset(seed, sample=0) -> observation`, `step(action) -> (observation, reward, done, info)`,
+`render()`, `expert_action()`, `done`); `make_env` builds one by name. Bandit: one pull, stochastic payoff,
+risk-sensitive reasoning; Sokoban: multi-turn, deterministic, irreversible pushes; FrozenLake: multi-turn,
+slippery. The initial state comes from a generator seeded by `reset(seed)`, the dynamics' noise (payoffs,
+slips) from one seeded by (seed, sample): the N rollouts of a group share both, as RAGEN seeds them.
+Evaluation uses 256 fixed prompts (section 3.3, `EVAL_SEEDS`); `train_seeds` never draws one. The experts
+(Sokoban: a fewest-moves BFS; FrozenLake: the success-maximising policy) feed the SFT baseline and the tests.
+Deviations from RAGEN (generators, Bandit's 0.15 arm, the experts): docs/faithfulness.md. Next: rollout.py.
 """
 from __future__ import annotations
 
 import numpy as np
-
-from webshop import WebShopEnv
 
 EVAL_SEEDS = list(range(123, 379))  # the paper's 256 fixed evaluation prompts (Section 3.3)
 TRAIN_SEED_LOW, TRAIN_SEED_HIGH = 1000, 2**31  # training seeds live here, far from EVAL_SEEDS
@@ -45,7 +24,8 @@ def train_seeds(rng_or_seed, n: int) -> list[int]:
     rng = rng_or_seed if isinstance(rng_or_seed, np.random.Generator) else np.random.default_rng(rng_or_seed)
     seeds: dict[int, None] = {}  # an ordered set: each seed at its first draw
     while len(seeds) < n:
-        seeds.update(dict.fromkeys(rng.integers(TRAIN_SEED_LOW, TRAIN_SEED_HIGH, size=n - len(seeds)).tolist()))
+        draw = rng.integers(TRAIN_SEED_LOW, TRAIN_SEED_HIGH, size=n - len(seeds))
+        seeds.update(dict.fromkeys(draw.tolist()))
     return list(seeds)
 
 
@@ -64,8 +44,9 @@ def _int_option(env_name: str, key: str, value, lo: int, hi: float = float("inf"
 
 
 class _TextEnv:
-    """The shared guard logic: reset before use, parse action words, refuse to step a finished episode. A subclass
-    writes `_start(seed, noise)` (its initial state), `_render`, `_success`, `_apply(i)` and `expert_action`."""
+    """The shared guard logic: reset before use, parse action words, refuse to step a finished episode. A
+    subclass writes `_start(seed, noise)` (its initial state), `_render`, `_success`, `_apply(i)` and
+    `expert_action`."""
 
     name = ""
     actions: list[str] = []
@@ -86,7 +67,7 @@ class _TextEnv:
 
     def reset(self, seed: int, sample: int = 0) -> str:
         seed, sample = _int_option(self.name, "seed", seed, 0), _int_option(self.name, "sample", sample, 0)
-        self._start(seed, np.random.default_rng([seed, sample]))  # start: seed; noise: (seed, sample), deviation 2
+        self._start(seed, np.random.default_rng([seed, sample]))  # the start from seed; noise: (seed, sample)
         self.done, self._ready = False, True
         return self._render()
 
@@ -104,7 +85,7 @@ class _TextEnv:
         return self._apply(i)
 
 
-# ---------------------------------------------- Bandit (Section 3.1; Appendix: safe arm 0.15, risky arm 1.0 w.p. 0.25)
+# ------------------------------- Bandit (section 3.1; Appendix: safe arm 0.15, risky arm 1.0 with p 0.25)
 
 class BanditEnv(_TextEnv):
     name = "bandit"
@@ -117,9 +98,11 @@ class BanditEnv(_TextEnv):
         for key in ("safe_name", "risky_name"):
             v = opts[key]
             if not (isinstance(v, str) and v.isascii() and v.isalpha() and len(v) <= 32):
-                raise ValueError(f"{self.name}: {key} must be one ASCII word of letters (e.g. 'Phoenix'), got {v!r}")
+                raise ValueError(f"{self.name}: {key} must be one ASCII word of letters (e.g. 'Phoenix'), "
+                                 f"got {v!r}")
         if opts["safe_name"].lower() == opts["risky_name"].lower():
-            raise ValueError(f"{self.name}: safe_name and risky_name must differ, got {opts['safe_name']!r} twice")
+            raise ValueError(f"{self.name}: safe_name and risky_name must differ, got {opts['safe_name']!r} "
+                             f"twice")
         self.safe_name, self.risky_name = opts["safe_name"], opts["risky_name"]
         self.actions = sorted([self.safe_name, self.risky_name], key=str.lower)
         self.instruction = (
@@ -162,12 +145,13 @@ class BanditRevEnv(BanditEnv):
 
 
 class BanditTestEnv(BanditEnv):
-    """RAGEN's held-out names (config/envs.yaml BanditTest): does what was learnt on Phoenix/Dragon transfer?"""
+    """RAGEN's held-out names (config/envs.yaml BanditTest): does what was learnt on Phoenix/Dragon
+    transfer?"""
     name = "bandit-test"
     DEFAULTS = {"safe_name": "Trader", "risky_name": "Librarian"}
 
 
-# ----------------------------------- Sokoban (Section 3.1): reverse-play generation as RAGEN / gym-sokoban, BFS expert
+# ------------------------- Sokoban (section 3.1): reverse-play generation as RAGEN / gym-sokoban, BFS expert
 
 SOKOBAN_SYMBOLS = {  # order: wall, empty, target, box, box on target, player, player on target
     "classic": ("#", "_", "O", "X", "√", "P", "S"),
@@ -218,7 +202,8 @@ def _reverse_play(floor: list[bool], width: int, targets: list[int], player: int
             return
         explored.add(key)
         disp = sum(abs(b // width - t // width) + abs(b % width - t % width) for b, t in zip(pos, targets))
-        score = swaps * disp if all(t != p and t not in pos for t in targets) else 0  # a covered target scores 0
+        covered = any(t == p or t in pos for t in targets)
+        score = 0 if covered else swaps * disp  # a covered target scores 0
         if score > best[0]:
             best[:] = [score, p, pos, disp]
         for off in offsets:
@@ -278,8 +263,8 @@ def generate_sokoban_room(rng: np.random.Generator, size: int, num_boxes: int, s
 
 
 def _push(floor, player: int, boxes: tuple, off: int) -> tuple:
-    """(player, boxes) after a step of `off` cells that may push one box; a blocked step, or one that pushes no
-    box, returns the same `boxes` object."""
+    """(player, boxes) after a step of `off` cells that may push one box; a blocked step, or one that
+    pushes no box, returns the same `boxes` object."""
     q = player + off
     if not floor[q] or (q in boxes and (not floor[q + off] or q + off in boxes)):
         return player, boxes
@@ -339,26 +324,7 @@ class SokobanEnv(_TextEnv):
     def _start(self, seed: int, noise):  # deterministic dynamics: the noise (`sample`) changes nothing
         self._floor, self._targets, self._player, self._boxes = generate_sokoban_room(
             np.random.default_rng(seed), self.size, self.num_boxes, self.search_depth)
-        self._start_boxes, self._player_at_start = self._boxes, self._player
         self._plans: dict = {}  # (player, boxes) -> remaining optimal plan, filled by expert_action
-
-    def reached_goal(self) -> tuple | None:
-        """The cells where the episode has left the boxes, as a goal for hindsight relabelling (train.py
-        --hindsight): None when no box has moved (nothing was demonstrated) or they stand on the room's own targets."""
-        goal = tuple(sorted(self._boxes))
-        return None if set(goal) in (set(self._start_boxes), set(self._targets)) else goal
-
-    def set_goal(self, goal) -> str:
-        """Right after reset: the same room, with its targets moved to `goal` (one floor cell per box, as
-        `reached_goal` returns them). -> the new observation. The episode then succeeds when the boxes stand there."""
-        self._require_live("set_goal()")
-        goal = tuple(sorted(int(c) for c in goal))
-        if len(set(goal)) != len(self._boxes) or not all(0 <= c < len(self._floor) and self._floor[c] for c in goal):
-            raise ValueError(f"{self.name}: a goal is {len(self._boxes)} distinct floor cells, got {goal}")
-        if (self._player, self._boxes) != (self._player_at_start, self._start_boxes):
-            raise RuntimeError(f"{self.name}: set_goal() before the first step only")
-        self._targets, self._plans = goal, {}
-        return self._render()
 
     def _on_target(self) -> int:
         return sum(b in self._targets for b in self._boxes)
@@ -374,8 +340,10 @@ class SokobanEnv(_TextEnv):
         self._player, self._boxes = self._move(self._player, self._boxes, a)
         after = self._on_target()
         self.done = success = after == len(self._boxes)
-        reward = -0.1 + (1.0 if after > before else -1.0 if after < before else 0.0) + (10.0 if success else 0.0)
-        info = {"success": success, "action_is_valid": True, "action_is_effective": self._player != moved_from}
+        # gym-sokoban's reward: -0.1 a step, +-1 a box on or off a target, +10 solved
+        reward = -0.1 + (1.0 if after > before else -1.0 if after < before else 0.0) + 10.0 * success
+        info = {"success": success, "action_is_valid": True,
+                "action_is_effective": self._player != moved_from}
         return self._render(), reward, success, info
 
     def _render(self) -> str:
@@ -389,22 +357,16 @@ class SokobanEnv(_TextEnv):
         return f"{i // self.size + 1} {i % self.size + 1}"  # row, column from 1 (top-left wall)
 
     def describe(self) -> str:
-        """Where things are, in words: "player at 3 5, box at 4 4, target at 5 3" (deviation 9)."""
+        """Where things are, in words: "player at 3 5, box at 4 4, target at 5 3" (the expert's thought)."""
         self._require_live("describe()")
-        return ", ".join([f"player at {self._cell(self._player)}"] + [f"box at {self._cell(b)}" for b in self._boxes]
+        return ", ".join([f"player at {self._cell(self._player)}"]
+                         + [f"box at {self._cell(b)}" for b in self._boxes]
                          + [f"target at {self._cell(t)}" for t in sorted(self._targets)])
 
     def expert_note(self) -> str:
-        """The start of the expert's thought: where things are, then the next push of its plan and the cell it
-        pushes from ("player at 3 5, box at 4 4, target at 5 3. I push the box Left: I go to 4 5"; deviation 9)."""
+        """The start of the expert's thought: where things are, then the next push of its plan and the cell
+        it pushes from ("player at 3 5, box at 4 4, target at 5 3. I push the box Left: I go to 4 5")."""
         return self._note(self._expert_plan() or [])
-
-    def note(self, moves: list[str]) -> str:
-        """The same words for any moves from here: where things are, then the first push those moves make and the
-        cell it is pushed from (the thought of a hindsight demo, train.py `hindsight_demos`). Unknown words and
-        bumps push nothing."""
-        self._require_live("note()")
-        return self._note([i for i in map(self._parse, moves) if i is not None])
 
     def _note(self, plan: list[int]) -> str:
         cell, note = self._cell, self.describe()
@@ -416,7 +378,7 @@ class SokobanEnv(_TextEnv):
         return note
 
     def _first_push(self, plan: list[int]):
-        """(action, the player's cell before it, the box's cell) of the first move in `plan` that moves a box."""
+        """(action, the player's cell before it, the box's cell) of the first move in `plan` that pushes."""
         player, boxes = self._player, self._boxes
         for a in plan:
             nxt = self._move(player, boxes, a)
@@ -456,7 +418,7 @@ class LargeSokobanEnv(SokobanEnv):
     DEFAULTS = {"size": 8, "num_boxes": 2, "search_depth": 10}  # RAGEN LargerSokoban
 
 
-# ----------------------- FrozenLake (Section 3.1): RAGEN's random maps, gymnasium's slip model, value-iteration expert
+# -------------- FrozenLake (section 3.1): RAGEN's random maps, gymnasium's slips, a value-iteration expert
 
 _LAKE_DIRS = ((0, -1), (1, 0), (0, 1), (-1, 0))  # Left, Down, Right, Up (gymnasium's order)
 
@@ -467,7 +429,7 @@ def _lake_reachable(board: np.ndarray, start: tuple, goal: tuple) -> bool:
         cell = stack.pop()
         if cell == goal:
             return True
-        for q in (_lake_next(board.shape[0], cell, d) for d in range(4)):  # off the board: `cell`, already seen
+        for q in (_lake_next(board.shape[0], cell, d) for d in range(4)):  # off the board: `cell`, seen
             if q not in seen and board[q] != "H":
                 seen.add(q)
                 stack.append(q)
@@ -532,7 +494,8 @@ class FrozenLakeEnv(_TextEnv):
         self.size = _int_option(self.name, "size", opts["size"], 2, 8)
         p = opts["p"]
         if isinstance(p, bool) or not isinstance(p, (int, float, np.floating)) or not 0.5 <= p <= 1.0:
-            raise ValueError(f"{self.name}: p (probability a tile is frozen) must be a number in [0.5, 1], got {p!r}")
+            raise ValueError(f"{self.name}: p (probability a tile is frozen) must be a number in [0.5, 1], "
+                             f"got {p!r}")
         self.p = float(p)
         if not isinstance(opts["slippery"], (bool, np.bool_)):
             raise ValueError(f"{self.name}: slippery must be True or False, got {opts['slippery']!r}")
@@ -563,19 +526,19 @@ class FrozenLakeEnv(_TextEnv):
         return self._render(), reward, self.done, info
 
     def _render(self) -> str:
-        tiles, here = {"F": "_", "H": "O", "G": "G"}, {"F": "P", "H": "X", "G": "√"}  # here: the player's cell
-        return "\n".join("".join((here if (r, c) == self._pos else tiles)[self._board[r, c]] for c in range(self.size))
-                         for r in range(self.size))
+        tiles, here = {"F": "_", "H": "O", "G": "G"}, {"F": "P", "H": "X", "G": "√"}  # here: player's cell
+        return "\n".join("".join((here if (r, c) == self._pos else tiles)[self._board[r, c]]
+                                 for c in range(self.size)) for r in range(self.size))
 
     def describe(self) -> str:
-        """Where things are, in words: "player at 1 2, goal at 4 4, hole at 2 2, hole at 3 1" (deviation 9)."""
+        """Where things are, in words: "player at 1 2, goal at 4 4, hole at 2 2, hole at 3 1"."""
         self._require_live("describe()")
         cell = lambda rc: f"{rc[0] + 1} {rc[1] + 1}"  # row, column from 1 at the top left
         holes = [f"hole at {cell(rc)}" for rc in zip(*np.nonzero(self._board == "H"))]
         goal = tuple(int(x) for x in np.argwhere(self._board == "G")[0])
         return ", ".join([f"player at {cell(self._pos)}", f"goal at {cell(goal)}"] + holes)
 
-    def expert_note(self) -> str:  # the expert's thought starts with where things are (deviation 9)
+    def expert_note(self) -> str:  # the expert's thought starts with where things are
         return self.describe()
 
     def expert_action(self) -> str:
@@ -585,10 +548,17 @@ class FrozenLakeEnv(_TextEnv):
         return self.actions[int(self._policy[self._pos[0] * self.size + self._pos[1]])]
 
 
-# ------------------------------------------------------------------------------------------------------------ Registry
+# ------------------------------------------------------------------------------------------------ registry
+
+def _webshop(**overrides):
+    """WebShop (extras/webshop.py: a shop, its catalogue, BM25 search), imported when a run asks for it."""
+    from extras.webshop import WebShopEnv
+    return WebShopEnv(**overrides)
+
 
 ENVS = {env.name: env for env in (BanditEnv, BanditRevEnv, BanditTestEnv, SokobanEnv, SokobanNewVocabEnv,
-                                  LargeSokobanEnv, FrozenLakeEnv, WebShopEnv)}  # WebShop: its own file
+                                  LargeSokobanEnv, FrozenLakeEnv)}
+ENVS["webshop"] = _webshop
 
 
 def make_env(name: str, **overrides):

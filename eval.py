@@ -1,29 +1,16 @@
 """Evaluation: the paper's protocol (section 3.3) on any policy, with scripted floors and ceilings.
 
-256 fixed prompts (seeds 123..378, envs.EVAL_SEEDS), temperature 0.5, the same turn and action budgets as
-training. Reports success rate with a 95% Wilson interval, mean actions, valid and effective action rates and
-mean response length (tokens per turn). `--envs a,b,c` evaluates one policy on several envs and prints a
-markdown table (the paper's generalisation tables: train on one env, test on its variants).
-
-    python eval.py --env sokoban --policy runs/sokoban-grpo/final
+    python eval.py --env sokoban --policy runs/sokoban-grpo-s0          # a run's final policy
     python eval.py --envs sokoban,sokoban-newvocab,sokoban-large --policy tiny --json out.json
     python eval.py --env frozenlake --policy random     # the floor; --policy expert is the ceiling
 
-A policy folder written by train.py or sft_baseline.py holds `train_config.json`; its rollout settings
-(history window, think mode, budgets) are used unless a flag overrides them, so a policy is always evaluated
-with the prompts it was trained on.
-
-Deviations from the paper / RAGEN (deliberate):
-1. `random` and `expert` are scripted agents through the same rollout loop: a floor and a ceiling. The expert
-   plans its turn on a copy of the env that shares its slips, so on FrozenLake it is a true ceiling.
-2. One rollout per prompt (the paper's 256 prompts x 1; `--samples K`: K): `sample` 0 of each seed, i.e. fixed
-   payoffs and slips per prompt, so two policies meet the same luck.
-3. `--samples K` (default 1, the paper's protocol) repeats the eval with sampling seeds SEED..SEED+K-1 and pools
-   the K x prompts episodes. Only the policy's sampling differs between them (the prompts' luck stays fixed), so
-   it needs a sampling policy (temperature > 0, not the expert). Its Wilson interval is for the success rate on
-   these fixed prompts, where it is conservative: the pooled count's variance sum_r K p_r (1 - p_r) is at most
-   the binomial's n p (1 - p). It does not cover how the rate would move on other rooms (the one-sample interval
-   does, reading the prompts as a sample of the generator's).
+256 fixed prompts (seeds 123..378, envs.EVAL_SEEDS), one rollout each at temperature 0.5, the training turn and
+action budgets: the success rate with a 95% Wilson interval, actions, valid and effective action rates, format
+rate, tokens per turn. `--envs a,b,c` prints one markdown table (the paper's generalisation tables). A policy
+saved by train.py or sft_baseline.py is evaluated with the prompts it was trained on (its train_config.json)
+unless a flag says otherwise. `--samples K` pools K evals with sampling seeds SEED..SEED+K-1 on the same
+prompts and luck: its interval is for these prompts (conservative there), not for other rooms. Scripted agents
+run through the same rollout loop; the expert plans on a copy of the env that shares its slips.
 """
 from __future__ import annotations
 
@@ -37,44 +24,47 @@ from pathlib import Path
 
 import torch
 
-import cli
+from engine import cli
 from envs import ENVS, EVAL_SEEDS
-from rollout import RolloutConfig, Trajectory, default_reply_tokens, dump, expert_agent, random_agent, rollout
+from rollout import (ROLLOUT_KEYS, RolloutConfig, Trajectory, default_reply_tokens, dump, expert_agent,
+                     random_agent, rollout)
 
 SCRIPTED = ("random", "expert")
-ROLLOUT_KEYS = ("max_turns", "max_actions_per_turn", "max_actions", "format_penalty", "think", "context_turns",
-                "max_new_tokens")
 
 
 @dataclass
 class Config:
     env: str = cli.flag("sokoban", "environment to evaluate on", choices=ENVS)
-    envs: str = cli.flag("", "comma-separated envs (overrides --env); prints one markdown table")
-    policy: str = cli.flag("tiny", "a run folder (its final/ or latest checkpoint), a model folder, a hub id, tiny, "
-                                   "random or expert")
-    prompts: int = cli.flag(256, "how many of the fixed eval prompts (seeds 123..) to use, at most 256", lo=1, hi=256)
+    envs: str | None = cli.flag(None, "comma-separated envs (instead of --env); prints one markdown table")
+    policy: str = cli.flag("tiny", "a run folder (its final/ or latest checkpoint), a model folder, a .gguf "
+                                   "file, a hub id, tiny, random or expert")
+    prompts: int = cli.flag(256, "how many of the fixed eval prompts (seeds 123..) to use, at most 256",
+                            lo=1, hi=256)
     temperature: float = cli.flag(0.5, "sampling temperature (paper: 0.5); 0 = greedy", lo=0)
-    max_turns: int | None = cli.flag(None, "turns per episode (default: the policy's training value, else 5)", lo=1)
+    max_turns: int | None = cli.flag(None, "turns per episode (default: the policy's training value, else 5)",
+                                     lo=1)
     max_actions_per_turn: int | None = cli.flag(None, "actions per turn (default: training value, else 5)", lo=1)
     max_actions: int | None = cli.flag(None, "actions per episode (default: training value, else 10)", lo=1)
     think: bool | None = cli.flag(None, "<think> before <answer> (default: the policy's training mode, else on)")
     context_turns: int | None = cli.flag(None, "history window in turns, 0 = the whole conversation "
-                                                 "(default: training)", lo=0)
-    max_new_tokens: int | None = cli.flag(None, "token budget per reply (default: the training value, else tiny 100, "
-                                                "hub models 400, 500 on bandit)", lo=1)
+                                               "(default: training)", lo=0)
+    max_new_tokens: int | None = cli.flag(None, "token budget per reply (default: the training value, else tiny "
+                                                "100, hub models 400, 500 on bandit)", lo=1)
     batch: int = cli.flag(256, "episodes decoded together in one batch", lo=1)
     seed: int = cli.flag(0, "sampling seed", lo=0, hi=cli.SEED_MAX)
-    samples: int = cli.flag(1, "rollouts per prompt, with sampling seeds SEED..SEED+K-1, pooled into one success "
-                               "rate and interval (paper: 1)", lo=1)
+    samples: int = cli.flag(1, "rollouts per prompt, with sampling seeds SEED..SEED+K-1, pooled into one "
+                               "success rate and interval (paper: 1)", lo=1)
     device: str = cli.flag("auto", "auto, cpu, cuda or cuda:N")
     threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)", lo=1)
-    webshop_data: str | None = cli.flag(None, "folder with the original WebShop files (default: shipped catalogue)")
+    webshop_data: str | None = cli.flag(None, "folder with the original WebShop files (default: the shipped "
+                                              "catalogue)")
     json: str | None = cli.flag(None, "write the numbers to this new JSON file (an existing file is refused)")
     dump: int = cli.flag(0, "print this many trajectories as readable text", lo=0)
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a success rate k/n (sound at 0 and 1, unlike the normal approximation)."""
+    """95% Wilson score interval of a success rate k/n (sound at 0 and 1, unlike the normal approximation).
+    Figures in the docs round each end to 3 decimals, half away from zero (0.3064 -> 0.306)."""
     if n == 0:
         return 0.0, 1.0
     p = k / n
@@ -134,7 +124,7 @@ def saved_rollout_settings(path: str | None, flag: str) -> dict:
 def rollout_config_for(policy_path: str | None, cfg: Config, env: str) -> RolloutConfig:
     """Training's rollout settings saved beside the policy, then the flags typed here on top; a reply budget
     neither gives is the model's default (rollout.default_reply_tokens)."""
-    from policy import model_kind
+    from engine.models import model_kind
     values = saved_rollout_settings(policy_path, "--policy")
     values.update({k: getattr(cfg, k) for k in ROLLOUT_KEYS if getattr(cfg, k, None) is not None})
     values.setdefault("max_new_tokens", default_reply_tokens(model_kind(policy_path or "tiny"), env))
@@ -152,47 +142,34 @@ def table(rows: dict[str, dict]) -> str:
     return "\n".join(out)
 
 
-def policy_folder(name: str) -> str:
-    """`--policy RUN_DIR` means the run's final policy, or its latest checkpoint's while it has no final one."""
-    run = Path(name)
-    if (run / "config.json").is_file() and (run / "metrics.jsonl").is_file():  # a run folder, not a model folder
-        if (run / "final" / "config.json").is_file():
-            return str(run / "final")
-        if (run / "latest").is_file():
-            return str(run / (run / "latest").read_text().strip() / "policy")
-        raise ValueError(f"--policy {name}: a run folder with neither final/ nor a checkpoint yet")
-    return name
-
-
 def main(argv=None):
     # ---- config, checked before any work
     try:
         cfg, _ = cli.parse(Config, argv, description=__doc__.split("\n")[0])
-        envs = [e.strip() for e in cfg.envs.split(",") if e.strip()] if cfg.envs else [cfg.env]
+        envs = [cfg.env] if cfg.envs is None else [e.strip() for e in cfg.envs.split(",") if e.strip()]
         unknown = [e for e in envs if e not in ENVS]
         cli.check(cli.bounds(cfg) + [
-            (not unknown, f"--envs: unknown env {', '.join(map(repr, unknown))}; allowed: {', '.join(sorted(ENVS))}"),
+            (bool(envs), f"--envs {cfg.envs!r}: names no env; allowed: {', '.join(sorted(ENVS))}"),
+            (not unknown, f"--envs: unknown env {', '.join(map(repr, unknown))}; allowed: "
+                          f"{', '.join(sorted(ENVS))}"),
             (cfg.seed + cfg.samples - 1 <= cli.SEED_MAX,
              f"--samples {cfg.samples}: with --seed {cfg.seed} the last sampling seed exceeds {cli.SEED_MAX}"),
             (cfg.samples == 1 or cfg.policy != "expert",
              f"--samples {cfg.samples}: the expert does not sample, every sample would repeat the first; use 1"),
             (cfg.samples == 1 or cfg.temperature > 0 or cfg.policy in SCRIPTED,
-             f"--samples {cfg.samples}: --temperature 0 decodes greedily, every sample would repeat the first; use 1 "
-             f"or a temperature above 0"),
+             f"--samples {cfg.samples}: --temperature 0 decodes greedily, every sample would repeat the "
+             f"first; use 1 or a temperature above 0"),
             (not cfg.webshop_data or "webshop" in envs,
              f"--webshop-data {cfg.webshop_data}: only for the webshop env (evaluating: {', '.join(envs)})"),
         ])
         if cfg.json:
             cli.writable_file(cfg.json, "--json", new=True)
-        from policy import load_policy, pick_device, setup_device
+        from engine.models import load_policy, pick_device, run_policy, setup_device
         device = pick_device(cfg.device)
         setup_device(device, cfg.threads)
         model = tok = path = None
         if cfg.policy not in SCRIPTED:
-            folder = policy_folder(cfg.policy)
-            if folder != cfg.policy:
-                print(f"--policy {cfg.policy} is a run folder: loading {folder}", file=sys.stderr)
-            model, tok, path = load_policy(folder, device, flag_name="--policy")
+            model, tok, path = load_policy(run_policy(cfg.policy, "--policy"), device, flag_name="--policy")
         rcfgs = {env: rollout_config_for(path, cfg, env) for env in envs}
         for rcfg in rcfgs.values():  # the values saved beside the policy meet the flags' bounds too
             cli.check(cli.bounds(replace(cfg, **{k: getattr(rcfg, k) for k in ROLLOUT_KEYS if hasattr(cfg, k)})))
@@ -210,7 +187,7 @@ def main(argv=None):
     rows = {}
     for env in envs:
         rcfg, t0, trajs, per_sample = rcfgs[env], time.time(), [], []
-        for seed in range(cfg.seed, cfg.seed + cfg.samples):  # one whole eval per sampling seed (deviation 3)
+        for seed in range(cfg.seed, cfg.seed + cfg.samples):  # one whole eval per sampling seed
             agent = None
             if cfg.policy == "random":
                 agent = random_agent(random.Random(seed))
@@ -229,8 +206,8 @@ def main(argv=None):
               f"{m['effective_action']:.3f} format {m['format']:.3f} ({m['seconds']:.0f}s)", file=sys.stderr)
         for t in trajs[:cfg.dump]:
             print(dump(t, tok), file=sys.stderr)
-    print(f"policy: {cfg.policy}, {cfg.prompts} prompts x {cfg.samples} sample(s), temperature {cfg.temperature}, "
-          f"rollout: {asdict(rcfgs[envs[0]])}")
+    print(f"policy: {cfg.policy}, {cfg.prompts} prompts x {cfg.samples} sample(s), temperature "
+          f"{cfg.temperature}, rollout: {asdict(rcfgs[envs[0]])}")
     print(table(rows))
     if cfg.json:
         Path(cfg.json).write_text(json.dumps({"policy": cfg.policy, "results": rows,

@@ -1,40 +1,14 @@
 """Multi-turn rollouts: the trajectory that StarPO optimises (paper section 2.1-2.2, Figure 2).
 
-One trajectory = system message + environment instruction, then up to `max_turns` turns of
-(state -> <think>..</think><answer>..</answer> -> reward feedback). Every turn of every live episode is decoded
-in ONE batch with a KV cache; the trajectory records the exact token ids that were sampled (never re-tokenised)
-and a loss mask that is 1 exactly on sampled tokens (section 2.2: only the agent's own tokens are optimised).
-A replay (`replies=`) re-sends recorded reply ids turn by turn, in the same room or one with another goal
-(hindsight.py).
-
-Prompt layout (after RAGEN's ctx_manager), built with the tokenizer's own chat template:
-    system:    "You're a helpful assistant."
-    user:      <env instruction> / "Available actions: ..." / the per-turn and per-episode action budgets and
-               the separator "||" / "Turn 1:" / "State:" + observation / "You have k actions left." / format
-    assistant: "<think>" (pre-filled by the template side, mask 0) + sampled reply (mask 1)
-    user:      "Reward: r" (+ why the turn was penalised) / "Turn 2:" / ...
-
-History window (`context_turns`): 0 = the paper (the whole conversation is one growing sequence, one training
-segment per trajectory). K > 0 = RAGEN's later `context_window_mode`: every turn's prompt keeps the system
-message, the instruction and only the last K turns; each turn then becomes its own training segment (that
-prompt + that turn's reply). Every segment carries the trajectory's group id and total reward, so GRPO gives
-each segment its trajectory's advantage, and PPO places the trajectory reward on the last sampled token of
-every segment: with gamma = lambda = 1 the GAE advantage of every token is R - V(token) in both layouts, so the
-window changes what the model sees, not what it is credited with.
-
-Deviations from the paper / RAGEN (deliberate):
-1. The assistant turn is pre-filled with the opening tag ("<think>", or "<answer>" with --no-think), as RAGEN's
-   ctx_manager does; here the tag is a template token (mask 0).
-2. A reply ends at "</answer>", an end token or max_new_tokens, and is trained as sampled (RAGEN re-renders the
-   parsed reply and re-tokenises it); the template's end-of-turn marker follows (mask 0).
-3. Actions follow RAGEN's es_manager (`act_turn`), except that words after the last one run are not checked:
-   in WebShop a word's validity depends on the page it meets.
-4. Decoding: sampler.py's engine (RAGEN: vLLM), one static KV cache for all the episodes, each kept across its
-   turns; `kv_cache=False` re-prefills every turn with the Hugging Face forward (the reference path).
-5. The random agent draws each action among those valid after the previous ones (planned on a copy of the
-   env): WebShop's clickables change with the page.
-6. RAGEN's prompt layout with shorter words (no "Strictly follow this format...", no answer examples), and the
-   feedback shows the turn's whole reward with a note when it was penalised (RAGEN: the env reward alone).
+One trajectory = system message + the environment's instruction, then up to `max_turns` turns of (state ->
+<think>..</think><answer>..</answer> -> reward feedback), rendered with the tokenizer's own chat template in
+RAGEN's layout (shorter words; the assistant turn pre-filled with "<think>", mask 0). Every turn of every
+live episode is decoded in one batch; the trajectory records the exact token ids sampled (never re-tokenised)
+and a loss mask that is 1 exactly on them, from positions recorded here (section 2.2: only the agent's own
+tokens are optimised). A reply ends at "</answer>", an end token or max_new_tokens. History window
+(`context_turns`): 0 = the paper's whole conversation, one growing sequence per trajectory; K > 0 = RAGEN's
+later window of the last K turns, each turn its own training segment carrying the trajectory's reward. Actions
+follow RAGEN's es_manager (`act_turn`). Read next: filter.py.
 """
 from __future__ import annotations
 
@@ -45,16 +19,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.models import autocast_dtype
 from envs import make_env
-from policy import autocast_dtype
-from sampler import Engine, reference_generate, say_once, unsupported
 
 SYSTEM_PROMPT = "You're a helpful assistant."
+# the settings a policy is trained and evaluated with (saved beside it in train_config.json)
+ROLLOUT_KEYS = ("max_turns", "max_actions_per_turn", "max_actions", "format_penalty", "think",
+                "context_turns", "max_new_tokens")
 
 
 def default_reply_tokens(model_kind: str, env: str) -> int:
-    """Tokens per reply: RAGEN's vLLM response_length for hub models (400; its bandit runs 500), 100 for the tiny
-    policy (its replies are ~14 tokens; RAGEN's env `max_tokens: 100` only fills a line of its prompt)."""
+    """Tokens per reply: RAGEN's vLLM response_length for hub models (400; its bandit runs 500), 100 for the
+    tiny policy (its replies are ~14 tokens)."""
     return 100 if model_kind == "tiny" else 500 if env.startswith("bandit") else 400
 
 
@@ -68,8 +44,13 @@ class RolloutConfig:
     context_turns: int = 0
     max_new_tokens: int = 100
     temperature: float = 1.0  # 0 = greedy
-    kv_cache: bool = True  # sampler.Engine: each episode's KV cache kept across turns (speed only: same math)
+    kv_cache: bool = True  # engine/sampler.py's engine (speed only: the same distribution)
     cuda_graphs: bool = True  # on CUDA, the engine's decode step is a CUDA graph (speed only)
+
+    @classmethod
+    def of(cls, cfg, temperature: float) -> "RolloutConfig":
+        """The rollout settings of an entry script's Config."""
+        return cls(temperature=temperature, **{k: getattr(cfg, k) for k in ROLLOUT_KEYS})
 
 
 @dataclass
@@ -85,7 +66,6 @@ class Turn:
     effective: int
     response_tokens: int     # tokens the policy sampled this turn
     success: bool = False    # the environment reported success during this turn
-    tokens: list[int] = field(default_factory=list)  # the reply's token ids as sampled (a replay re-sends them)
 
 
 @dataclass
@@ -93,7 +73,7 @@ class Segment:               # one training sequence
     input_ids: list[int]
     loss_mask: list[int]     # 1 exactly where the policy sampled the token
     system_len: int = 0      # tokens of the system message it starts with (-1: the template renders none)
-    reply_ends: list[int] = field(default_factory=list)  # position of each reply's last sampled token, turn order
+    reply_ends: list[int] = field(default_factory=list)  # each reply's last sampled token, in turn order
 
     def append(self, ids: list[int], sampled: int):
         self.input_ids += ids
@@ -103,14 +83,14 @@ class Segment:               # one training sequence
 
 
 def trained_mask(seg: Segment, response_mask: bool = True) -> list[int]:
-    """The tokens a segment trains: those the policy sampled (`response_mask`, the default), or every token after
-    the system message, as the paper's runs did (RAGEN's `enable_response_mask: False`: env states, feedback and
-    template tokens too; RAGEN's mask starts one token later, after the user turn's <|im_start|>)."""
+    """The tokens a segment trains: those the policy sampled (`response_mask`, the default), or every token
+    after the system message, as the paper's runs did (RAGEN's `enable_response_mask: False`: states, feedback
+    and template tokens too; RAGEN's mask starts one token later, after the user turn's <|im_start|>)."""
     if response_mask:
         return seg.loss_mask
     if seg.system_len < 0:
-        raise ValueError("--no-response-mask: this chat template does not start a conversation with the system "
-                         "message as rendered alone, so where it ends is unknown")
+        raise ValueError("--no-response-mask: this chat template does not start a conversation with the "
+                         "system message as rendered alone, so where it ends is unknown")
     return [0] * seg.system_len + [1] * (len(seg.input_ids) - seg.system_len)
 
 
@@ -124,8 +104,6 @@ class Trajectory:
     success: bool = False
     done: bool = False       # the environment ended the episode (vs. a budget)
     truncated: bool = False  # ended because its next turn could have run past the model's positions
-    goal: tuple | None = None          # the goal it was given instead of the room's own (a hindsight replay)
-    reached_goal: tuple | None = None  # where it left the boxes, as a hindsight goal (envs with `reached_goal`)
     messages: list[dict] = field(default_factory=list)  # the full conversation as text, for dumps
 
     @property
@@ -167,6 +145,7 @@ PENALTY_NOTE = "Invalid format or action.\n"
 
 
 def feedback_text(turn: Turn) -> str:
+    """The turn's whole reward (RAGEN shows the env's alone), with a note when it was penalised."""
     note = "" if turn.format_ok else PENALTY_NOTE
     return f"Reward: {round(turn.reward, 2):g}\n{note}"
 
@@ -179,9 +158,9 @@ JUNCTION_RE = re.compile(r"</think>\s*<answer>")
 
 
 def parse_reply(text: str, think: bool, max_actions: int) -> tuple[list[str], bool]:
-    """-> (actions, parsed): the first "<think>..</think> <answer>..</answer>" (no-think: "<answer>..</answer>")
-    of the reply, its answer split on '||', empty pieces dropped, the first `max_actions` kept: the match of a
-    lazy regex, found in linear time (that regex is quadratic on a reply of many unclosed tags)."""
+    """-> (actions, parsed): the first "<think>..</think> <answer>..</answer>" (no-think: "<answer>..
+    </answer>") of the reply, its answer split on '||', empty pieces dropped, the first `max_actions` kept:
+    the match of a lazy regex, found in linear time (that regex is quadratic on many unclosed tags)."""
     if think:
         start = text.find("<think>")
         junction = JUNCTION_RE.search(text, start + len("<think>")) if start >= 0 else None
@@ -205,14 +184,14 @@ def render_ids(tokenizer, messages: list[dict], cfg: RolloutConfig) -> list[int]
 
 
 def turn_close(tokenizer) -> str:
-    """The template text that closes an assistant turn (Qwen: "<|im_end|>\n"), found by rendering a placeholder
-    conversation, so any chat template works."""
+    """The template text that closes an assistant turn (Qwen: "<|im_end|>\n"), found by rendering a
+    placeholder conversation, so any chat template works."""
     mark = "\x00REPLY\x00"
     base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     open_ = tokenizer.apply_chat_template(base, tokenize=False, add_generation_prompt=True)
     closed = tokenizer.apply_chat_template(base + [{"role": "assistant", "content": mark}], tokenize=False)
     if not closed.startswith(open_) or mark not in closed:
-        raise ValueError("chat template does not render an assistant turn as a suffix of its generation prompt")
+        raise ValueError("chat template does not render an assistant turn after its generation prompt")
     return closed[closed.index(mark) + len(mark):]
 
 
@@ -230,8 +209,8 @@ def available_actions(env) -> list[str]:
 
 
 def plan_on_copy(env, k: int, choose) -> list[str]:
-    """Up to k actions, each chosen by choose(sim) where the previous ones lead, on a copy of the env; the plan
-    stops where the copy's episode ends (the real env is stepped later, by the rollout)."""
+    """Up to k actions, each chosen by choose(sim) where the previous ones lead, on a copy of the env; the
+    plan stops where the copy's episode ends (the real env is stepped later, by the rollout)."""
     sim, plan = copy.deepcopy(env), []
     for _ in range(k):
         plan.append(choose(sim))
@@ -242,24 +221,24 @@ def plan_on_copy(env, k: int, choose) -> list[str]:
 
 
 def random_agent(rng: random.Random):
-    """Uniformly random valid actions, 1..min(max per turn, actions left) of them; a truthful fixed thought.
-    Each is drawn among those valid where the previous ones lead (planned on a copy of the env: WebShop's valid
-    clicks change with the page); the plan stops where the copy's episode ends."""
+    """Uniformly random valid actions, 1..min(max per turn, actions left) of them, and a truthful fixed
+    thought. Each is drawn among those valid where the previous ones lead (WebShop's clicks change with the
+    page)."""
     def act(env, actions_left: int, cfg: RolloutConfig) -> tuple[list[str], str]:
         k = rng.randint(1, max(1, min(cfg.max_actions_per_turn, actions_left)))
-        return plan_on_copy(env, k, lambda sim: rng.choice(available_actions(sim))), "I pick my moves at random."
+        plan = plan_on_copy(env, k, lambda sim: rng.choice(available_actions(sim)))
+        return plan, "I pick my moves at random."
     return act
 
 
 def expert_thought(note: str, moves: list[str]) -> str:
-    """The expert's words for a turn: the note (where things are, its next push), then the turn's moves. The SFT data
-    speaks them, and so does a hindsight demo (hindsight.py `demo_thoughts`)."""
+    """The expert's words for a turn: the note (where things are, its next push), then the turn's moves."""
     return (note + ". " if note else "") + "I pick my moves: " + ", ".join(moves) + "."
 
 
 def expert_agent(actions_per_turn: int = 1):
-    """The env's optimal policy; several actions per turn are planned on a copy of the env. Its truthful thought:
-    the env's `expert_note()` where it has one (envs.py deviation 9), then the plan."""
+    """The env's optimal policy; several actions per turn are planned on a copy of the env. Its truthful
+    thought: the env's `expert_note()` where it has one, then the plan."""
     def act(env, actions_left: int, cfg: RolloutConfig) -> tuple[list[str], str]:
         k = max(1, min(actions_per_turn, cfg.max_actions_per_turn, actions_left))
         plan = plan_on_copy(env, k, lambda sim: sim.expert_action())
@@ -269,47 +248,47 @@ def expert_agent(actions_per_turn: int = 1):
 
 # ----------------------------------------------------------------------------- the episode loop
 
-def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutConfig, tokenizer=None,
-            model=None, agent=None, generator: torch.Generator | None = None, samples: list[int] | None = None,
-            env_overrides: dict | None = None, replies: list[list[list[int]]] | None = None,
-            goals: list | None = None) -> list[Trajectory]:
+def make_sampler(model, tokenizer, rows: int, cfg: RolloutConfig):
+    """The policy's replies to a turn's prompts: engine/sampler.py's engine (one static KV cache for all the
+    episodes, each kept across its turns; RAGEN uses vLLM) or, with `kv_cache=False` or an architecture the
+    engine does not know, the Hugging Face forward re-prefilling every turn (the reference path)."""
+    from engine.sampler import Engine, reference_generate, say_once, unsupported
+    why = unsupported(model) if cfg.kv_cache else None
+    if cfg.kv_cache and not why:
+        engine = Engine(model, tokenizer, rows, graphs=cfg.cuda_graphs)
+        return lambda live, prompts, gen: engine.generate(live, prompts, cfg.max_new_tokens, cfg.temperature,
+                                                          gen)
+    if why:
+        say_once(f"note: the rollout engine does not know {why}: sampling with the Hugging Face forward")
+    return lambda live, prompts, gen: reference_generate(model, tokenizer, prompts, cfg.max_new_tokens,
+                                                         cfg.temperature, gen)
+
+
+def rollout(env: str | list, seeds: list[int], group_ids: list[int], cfg: RolloutConfig, tokenizer=None,
+            model=None, agent=None, generator: torch.Generator | None = None,
+            samples: list[int] | None = None, env_overrides: dict | None = None) -> list[Trajectory]:
     """Run len(seeds) episodes in lock-step; each turn, all live episodes reply in one batch.
 
-    Replies come from `model` (sampled), `agent(env, actions_left, cfg) -> (actions, thought)` (scripted) or
-    `replies[i]` (episode i re-sends these token ids turn by turn, ending when they run out: a replay);
-    `tokenizer=None` records text only. `samples[i]`: the env draws episode i's noise (payoffs, slips) from
-    (seed, sample) (envs.py deviation 2). `goals[i]`: episode i's task is moved to this goal (`env.set_goal`)."""
-    if (model is not None) + (agent is not None) + (replies is not None) != 1:
-        raise ValueError("rollout needs exactly one of model=, agent= or replies=")
-    if replies is not None and tokenizer is None:
-        raise ValueError("a replay (replies=) re-sends token ids: it needs the tokenizer")
-    envs = [make_env(env_name, **(env_overrides or {})) for _ in seeds]
-    goals = goals if goals is not None else [None] * len(seeds)
-    trajs = [Trajectory(env=env_name, seed=s, group_id=g, goal=goal) for s, g, goal in zip(seeds, group_ids, goals)]
+    `env`: an env name, or one env object per seed (e.g. a wrapper). Replies come from `model` (sampled) or
+    `agent(env, actions_left, cfg) -> (actions, thought)` (scripted); `tokenizer=None` records text only.
+    `samples[i]`: the env draws episode i's noise (payoffs, slips) from (seed, sample)."""
+    if (model is not None) + (agent is not None) != 1:
+        raise ValueError("rollout needs exactly one of model= or agent=")
+    envs = [make_env(env, **(env_overrides or {})) for _ in seeds] if isinstance(env, str) else list(env)
+    trajs = [Trajectory(env=e.name, seed=s, group_id=g) for e, s, g in zip(envs, seeds, group_ids)]
     samples = samples if samples is not None else [0] * len(seeds)
     obs = [e.reset(s, sample=k) for e, s, k in zip(envs, seeds, samples)]
-    obs = [o if goal is None else e.set_goal(goal) for e, o, goal in zip(envs, obs, goals)]
     left = [cfg.max_actions] * len(envs)
     live = list(range(len(envs)))
     hdr = [header_text(e, cfg) for e in envs]
     user_msgs: list[list[str]] = [[] for _ in envs]   # user message of each turn (feedback + turn text)
     reply_texts: list[list[str]] = [[] for _ in envs]  # each episode's replies so far, as text
     running: list[Segment | None] = [None] * len(envs)  # the growing sequence when context_turns == 0
-    # The engine keeps each episode's keys and values across its turns, so a turn runs only its new tokens (a
-    # history window, context_turns > 0, keeps the unchanged start of the prompt and prefills the rest).
-    device = next(model.parameters()).device if model is not None else None
-    amp = autocast_dtype(device) if model is not None else None
-    engine = None
-    if model is not None and cfg.kv_cache:
-        why = unsupported(model)
-        if why:
-            say_once(f"note: the rollout engine does not know {why}: sampling with the Hugging Face forward")
-        else:
-            engine = Engine(model, tokenizer, len(envs), graphs=cfg.cuda_graphs)
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)  # positions the model reads
+    sampler = make_sampler(model, tokenizer, len(envs), cfg) if model is not None else None
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)  # positions it reads
     close = turn_close(tokenizer) if tokenizer is not None else None
-    system = tokenizer(tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT}], tokenize=False),
-                       add_special_tokens=False)["input_ids"] if tokenizer is not None else []
+    system = [] if tokenizer is None else tokenizer(tokenizer.apply_chat_template([{
+        "role": "system", "content": SYSTEM_PROMPT}], tokenize=False), add_special_tokens=False)["input_ids"]
     for k in range(1, cfg.max_turns + 1):  # an empty `live` ends the loop below, after `fits`
         prompts, fits = [], []
         for i in live:
@@ -318,11 +297,12 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
             msgs = window_messages(hdr[i], user_msgs[i], reply_texts[i], cfg.context_turns)
             if tokenizer is not None:
                 if cfg.context_turns == 0 and running[i] is not None:
-                    # extend the sequence: template close was appended after the reply; now the next user turn
+                    # extend the sequence: the template's close followed the reply; now the next user turn
                     delta = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
                     prev = tokenizer.apply_chat_template(msgs[:-1], tokenize=False)
                     if not delta.startswith(prev):
-                        raise ValueError("chat template is not prefix-stable across turns; use --context-turns")
+                        raise ValueError("chat template is not prefix-stable across turns; use "
+                                         "--context-turns")
                     add = tokenizer(delta[len(prev):] + prefill(cfg), add_special_tokens=False)["input_ids"]
                     n = len(running[i].input_ids) + len(add)
                 else:
@@ -336,7 +316,8 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
                 if cfg.context_turns == 0 and running[i] is not None:
                     running[i].append(add, 0)
                 else:
-                    running[i] = Segment(list(ids), [0] * len(ids), len(system) if ids[:len(system)] == system else -1)
+                    sys_len = len(system) if ids[:len(system)] == system else -1
+                    running[i] = Segment(list(ids), [0] * len(ids), sys_len)
                 prompts.append(running[i].input_ids)
             fits.append(i)
         live = fits
@@ -345,54 +326,50 @@ def rollout(env_name: str, seeds: list[int], group_ids: list[int], cfg: RolloutC
         # --- replies for all live episodes at once
         if agent is not None:
             texts = [scripted_reply(*agent(envs[i], left[i], cfg), cfg) for i in live]
-            sampled = None if tokenizer is None else [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
-        elif replies is not None:
-            sampled = [list(replies[i][k - 1]) for i in live]
+            sampled = None if tokenizer is None else [tokenizer(t, add_special_tokens=False).input_ids
+                                                      for t in texts]
         else:
-            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):  # bf16 on CUDA (policy.py)
-                if engine is not None:
-                    sampled = engine.generate(live, prompts, cfg.max_new_tokens, cfg.temperature, generator)
-                else:
-                    sampled = reference_generate(model, tokenizer, prompts, cfg.max_new_tokens, cfg.temperature,
-                                                 generator)
-        if agent is None:  # a sampled end-of-turn token is not part of the reply's text: the chat template writes it
-            texts = [tokenizer.decode(s[:-1] if s[-1] == tokenizer.eos_token_id else s, skip_special_tokens=False)
-                     for s in sampled]
+            device = next(model.parameters()).device
+            amp = autocast_dtype(device)  # bf16 on CUDA
+            with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+                sampled = sampler(live, prompts, generator)
+            # a sampled end-of-turn token is not part of the reply's text: the chat template writes it
+            texts = [tokenizer.decode(s[:-1] if s[-1] == tokenizer.eos_token_id else s,
+                                      skip_special_tokens=False) for s in sampled]
         # --- parse, act, record
         still = []
         for j, i in enumerate(live):
             reply = prefill(cfg) + texts[j]
             n_tok = len(sampled[j]) if sampled is not None else len(texts[j].split())
             turn = act_turn(envs[i], reply, left[i], cfg, obs[i], n_tok)
-            left[i] -= turn.valid  # unknown words cost no budget (deviation 3)
+            left[i] -= turn.valid  # unknown words cost no budget
             obs[i] = envs[i].render()
             reply_texts[i].append(reply)
             trajs[i].turns.append(turn)
             trajs[i].success = trajs[i].success or turn.success
             if tokenizer is not None:
-                turn.tokens = list(sampled[j])
                 running[i].append(sampled[j], 1)
-                ended = sampled[j][-1:] == [tokenizer.eos_token_id] and tokenizer.eos_token  # it closed its turn
+                # it closed its turn: the template's close continues after that end token
+                ended = sampled[j][-1:] == [tokenizer.eos_token_id] and tokenizer.eos_token
                 tail = close.removeprefix(tokenizer.eos_token) if ended else close
                 running[i].append(tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else [], 0)
                 if cfg.context_turns > 0:
                     trajs[i].segments.append(running[i])
             trajs[i].done = envs[i].done
-            if not envs[i].done and left[i] > 0 and (replies is None or k < len(replies[i])):
+            if not envs[i].done and left[i] > 0:
                 still.append(i)
         live = still
     for i, t in enumerate(trajs):
         t.messages = window_messages(hdr[i], user_msgs[i], reply_texts[i], 0)
-        reached = getattr(envs[i], "reached_goal", None)
-        t.reached_goal = reached() if reached is not None and t.goal is None else None
         if tokenizer is not None and cfg.context_turns == 0 and running[i] is not None:
             t.segments = [running[i]]
     return trajs
 
 
 def act_turn(env, reply: str, actions_left: int, cfg: RolloutConfig, obs: str, n_tok: int) -> Turn:
-    """Parse one reply and run its actions (deviation 3): its first max_actions_per_turn words are read, unknown
-    ones change nothing and cost no budget, valid ones run until the episode's budget or its end. A turn with an
+    """Parse one reply and run its actions, as RAGEN's es_manager: its first max_actions_per_turn words are
+    read, unknown ones change nothing and cost no budget, valid ones run until the episode's budget or its end
+    (words after the last one run are not checked: WebShop's valid words depend on the page). A turn with an
     invalid word among those run, or without a valid one, pays the format penalty once."""
     actions, parsed = parse_reply(reply, cfg.think, cfg.max_actions_per_turn)
     env_r, valid, effective, ran, success = 0.0, 0, 0, [], False
@@ -434,6 +411,7 @@ def dump(traj: Trajectory, tokenizer=None) -> str:
         lines.append(f"[turn {k}] actions={t.actions} format_ok={t.format_ok} reward={t.reward:.2f}")
     if tokenizer is not None and traj.segments:
         s = traj.segments[-1]
-        trained = tokenizer.decode([i for i, m in zip(s.input_ids, s.loss_mask) if m], skip_special_tokens=False)
+        trained = tokenizer.decode([i for i, m in zip(s.input_ids, s.loss_mask) if m],
+                                   skip_special_tokens=False)
         lines.append(f"--- trained tokens of the last segment:\n{trained}")
     return "\n".join(lines) + "\n"

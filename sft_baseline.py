@@ -1,56 +1,41 @@
 """Supervised fine-tuning on expert trajectories (paper Appendix G): the baseline that shows what RL costs.
 
     python sft_baseline.py --env sokoban                    # tiny policy, CPU: full fine-tuning, minutes
-    python eval.py --env sokoban --policy runs/sft-sokoban-s0/final
-    python sft_baseline.py --env sokoban --model Qwen/Qwen2.5-0.5B-Instruct    # the paper: LoRA 64/32, 1 GPU
+    python eval.py --env sokoban --policy runs/sft-sokoban-s0
+    python sft_baseline.py --env sokoban --model Qwen/Qwen2.5-0.5B-Instruct    # the paper: LoRA 64/32, one GPU
 
-One loop, top to bottom: training (paper: 1,000; tiny default 2,800) and 100 test trajectories of the env's expert
-(Sokoban: the fewest-moves BFS plan; FrozenLake: the success-maximising policy) on seeds that never meet the 256
-eval seeds, rendered by rollout.py exactly as RL rollouts are (chat template, pre-filled tag, `--context-turns`),
-so the loss mask is 1 exactly on the expert's reply tokens -> epochs of next-token cross-entropy on them (paper: 5
-epochs, batches of 128 sequences, accumulated from micro-batches) -> one JSONL and one printed line per optimizer
-step -> test loss after each epoch, the lowest kept -> LoRA merged -> a `save_pretrained` folder eval.py loads.
-
-LoRA (`--lora-rank`, hand-written in lora.py) adapts every linear layer of the transformer blocks; the export
-merges it, so eval.py loads a plain model.
-
-Deviations from the paper / RAGEN (deliberate):
-1. `--model tiny` defaults: full fine-tuning (a rank-64 adapter is as large as its 128-wide layers), a 1-turn
-   window, 2,800 trajectories x 3 epochs, batches of 16, lr 2e-3, beta2 0.95 (docs/sft.md); hub models: the paper's.
-2. A curriculum first (`--short-steps`; tiny 300 x 32, hub models 0): each expert state alone, answered by the
-   expert's reply; without it the tiny model sat at chance as long as the seed and CPU decided (docs/sft.md).
-3. The expert makes ceil(max_actions / max_turns) = 2 moves per turn (`--expert-actions`; one caps it at 73% of
-   the eval rooms), its thought a truthful template (envs.py deviation 9).
-4. Every expert trajectory is kept, solved or not (keeping solved FrozenLake episodes selects lucky slips).
-5. The learning rate warms up over the first 5% of the steps, then decays to 0 on a cosine (the paper states
-   only the peak); gradients are clipped at norm 1.0, as in train.py.
-6. The lowest-test-loss checkpoint is kept in memory, not on disk; no --resume (a run is minutes on a CPU).
-7. The kept policy is evaluated at the end with eval.py's protocol: the same seed gives the same numbers as
-   `python eval.py --policy RUN_DIR/final`.
+One loop, top to bottom, in train.py's section order: the env's expert (Sokoban: the fewest-moves BFS;
+FrozenLake: the success-maximising policy) plays training and test trajectories on seeds that never meet the
+256 eval seeds, rendered by rollout.py exactly as RL rollouts are, so the loss mask is 1 exactly on the
+expert's reply tokens -> epochs of next-token cross-entropy on them (paper: 1,000 trajectories, 5 epochs,
+batches of 128; the tiny policy: docs/sft.md) -> one JSONL and one printed line per optimizer step -> the test
+loss after each epoch, the lowest kept -> LoRA merged -> a folder eval.py loads, and its eval. A curriculum of
+short examples comes first (each expert state alone); the expert makes ceil(max_actions / max_turns) moves per
+turn. Checkpoints every --save-every steps: --resume continues exactly. Deviations: docs/faithfulness.md.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
-import cli
-from checkpoint import save_final
+from engine import cli
+from engine.checkpoint import read_checkpoint, read_metrics, resume_config, save_checkpoint, save_final
+from engine.logprobs import shared_prefix_len, token_logprobs
+from engine.lora import add_lora, merge_lora
+from engine.models import autocast_dtype, load_model_and_env, model_kind, pick_device, setup_device
 from envs import ENVS, train_seeds
 from eval import evaluate
-from lora import add_lora, merge_lora
-from rollout import Segment, default_reply_tokens, dump, expert_agent, prefill, rollout
-from starpo import make_optimizer, shared_prefix_len, token_logprobs
-from train import load_model_and_env, rollout_config
+from rollout import RolloutConfig, Segment, default_reply_tokens, dump, expert_agent, prefill, rollout
+from starpo import make_optimizer, pad_segments
 
-# Per-model defaults for fields left at None. Qwen: the paper's (Appendix G). tiny: what trains on a CPU.
-MODEL_DEFAULTS = {
+MODEL_DEFAULTS = {  # fields left at None: hub models the paper's (Appendix G), tiny what trains on a CPU
     "tiny": dict(train_trajectories=2800, epochs=3, lr=2e-3, adam_beta2=0.95, lora_rank=0, context_turns=1,
                  batch=16, micro_batch=16, short_steps=300),
     "hf": dict(train_trajectories=1000, epochs=5, lr=1e-4, adam_beta2=0.999, lora_rank=64, context_turns=0,
@@ -58,71 +43,76 @@ MODEL_DEFAULTS = {
 }
 WARMUP_FRACTION = 0.05
 MAX_GRAD_NORM = 1.0
+flag = cli.flag
 
 
 @dataclass
 class Config:
-    env: str = cli.flag("sokoban", "environment", choices=ENVS)
-    train_trajectories: int | None = cli.flag(None, "expert trajectories to train on (default: tiny 2,800, hub "
-                                                    "models the paper's 1,000)", lo=1)
-    test_trajectories: int = cli.flag(100, "expert trajectories for the test loss (paper: 100)", lo=1)
-    expert_actions: int | None = cli.flag(None, "expert moves per turn (default: ceil(max-actions / max-turns))")
-    max_turns: int = cli.flag(5, "turns per episode", lo=1)
-    max_actions_per_turn: int = cli.flag(5, "actions per turn", lo=1)
-    max_actions: int = cli.flag(10, "actions per episode", lo=1)
-    max_new_tokens: int | None = cli.flag(None, "token budget per reply at eval (default: tiny 100; hub models "
-                                                "RAGEN's 400, 500 on bandit)", lo=1)
-    format_penalty: float = cli.flag(-0.1, "reward of a turn without a valid answer (eval)")
-    think: bool = cli.flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
-    context_turns: int | None = cli.flag(None, "history window: 0 = whole conversation, K = last K turns "
-                                               "(default: tiny 1, hub models 0)", lo=0)
-    epochs: int | None = cli.flag(None, "passes over the training data (default: tiny 3, hub models 5)", lo=1)
-    batch: int | None = cli.flag(None, "training sequences per optimizer step (default: tiny 16, hub models 128)", lo=1)
-    micro_batch: int | None = cli.flag(None, "training sequences per forward/backward, gradient accumulation "
-                                             "(default: tiny 16, hub models 4)", lo=1)
-    lr: float | None = cli.flag(None, "peak learning rate (default: tiny 2e-3, hub models 1e-4)", gt=0)
-    adam_beta2: float | None = cli.flag(None, "AdamW's beta2, the decay of its squared-gradient average (default: "
-                                              "tiny 0.95, hub models torch's 0.999)", lo=0, lt=1)
-    short_steps: int | None = cli.flag(None, "a curriculum, short examples first: this many steps on the expert's "
-                                            "states shown alone, each answered by its reply, before the epochs "
-                                            "(default: tiny 300, hub models 0)", lo=0)
-    short_batch: int = cli.flag(32, "sequences per step of the short examples", lo=1)
-    lora_rank: int | None = cli.flag(None, "LoRA rank r, 0 = full fine-tuning (default: tiny 0, hub models 64)", lo=0)
-    lora_alpha: float = cli.flag(32.0, "LoRA alpha (the update is scaled by alpha / r)", gt=0)
-    eval_every: int = cli.flag(0, "also evaluate every this many epochs (0 = only the kept policy, at the end)", lo=0)
-    eval_prompts: int = cli.flag(256, "eval prompts, <= 256", lo=1, hi=256)
-    eval_temperature: float = cli.flag(0.5, "eval sampling temperature (paper: 0.5)", lo=0)
-    dump_trajectories: int = cli.flag(3, "trajectories written as text at each eval", lo=0)
-    seed: int = cli.flag(0, "seed of everything (data seeds, batch order, eval sampling)", lo=0, hi=cli.SEED_MAX)
-    out: str | None = cli.flag(None, "run folder (default: runs/sft-ENV-sSEED); never overwritten unless --overwrite")
-    overwrite: bool = cli.flag(False, "replace the run already in --out")
-    model: str = cli.flag("tiny", "tiny (embedded, offline), a hub id such as Qwen/Qwen2.5-0.5B-Instruct, or a folder")
-    device: str = cli.flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
-    threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)", lo=1)
-    fused: bool = cli.flag(True, "chunked log-prob path that never builds [B, T, V] logits")
-    webshop_data: str | None = cli.flag(None, "folder with the original WebShop files (default: shipped catalogue)")
-    # derived after the data is built
-    steps: int = field(default=0, metadata={"derived": True})
+    # ---- the paper's baseline (Appendix G)
+    env: str = flag("sokoban", "environment", choices=ENVS)
+    train_trajectories: int | None = flag(None, "expert trajectories to train on (default: tiny 2,800, hub "
+                                                "models the paper's 1,000)", lo=1)
+    test_trajectories: int = flag(100, "expert trajectories for the test loss (paper: 100)", lo=1)
+    expert_actions: int | None = flag(None, "expert moves per turn (default: ceil(max-actions / max-turns))")
+    max_turns: int = flag(5, "turns per episode", lo=1)
+    max_actions_per_turn: int = flag(5, "actions per turn", lo=1)
+    max_actions: int = flag(10, "actions per episode", lo=1)
+    max_new_tokens: int | None = flag(None, "tokens per reply at eval (default: tiny 100; hub models RAGEN's "
+                                            "400, 500 on bandit)", lo=1)
+    format_penalty: float = flag(-0.1, "reward of a turn without a valid answer (eval)")
+    think: bool = flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
+    context_turns: int | None = flag(None, "history: 0 = the whole conversation, K = the last K turns "
+                                           "(default: tiny 1, hub models 0)", lo=0)
+    epochs: int | None = flag(None, "passes over the training data (default: tiny 3, hub models 5)", lo=1)
+    batch: int | None = flag(None, "sequences per optimizer step (default: tiny 16, hub models 128)", lo=1)
+    lr: float | None = flag(None, "peak learning rate (default: tiny 2e-3, hub models 1e-4)", gt=0)
+    adam_beta2: float | None = flag(None, "AdamW's beta2 (default: tiny 0.95, hub models torch's 0.999)",
+                                    lo=0, lt=1)
+    short_steps: int | None = flag(None, "curriculum: steps on the expert's states shown alone, each answered by "
+                                         "its reply, before the epochs (default: tiny 300, hub models 0)", lo=0)
+    short_batch: int = flag(32, "sequences per step of the short examples", lo=1)
+    lora_rank: int | None = flag(None, "LoRA rank r, 0 = full fine-tuning (default: tiny 0, hub models 64)", lo=0)
+    lora_alpha: float = flag(32.0, "LoRA alpha (the update is scaled by alpha / r)", gt=0)
+    eval_every: int = flag(0, "also evaluate every this many epochs (0 = only the kept policy, at the end)", lo=0)
+    eval_prompts: int = flag(256, "eval prompts, <= 256", lo=1, hi=256)
+    eval_temperature: float = flag(0.5, "eval sampling temperature (paper: 0.5)", lo=0)
+    # ---- the run, the model
+    seed: int = flag(0, "seed of everything (data seeds, batch order, eval sampling)", lo=0, hi=cli.SEED_MAX)
+    out: str | None = flag(None, "run folder (default: runs/sft-ENV-sSEED); never overwritten but by "
+                                 "--overwrite")
+    resume: str | None = flag(None, "continue the run in this folder from its last checkpoint")
+    overwrite: bool = flag(False, "replace the run already in --out (only the files a run writes)")
+    save_every: int = flag(100, "checkpoint every this many optimizer steps (0 = none)", lo=0)
+    dump_trajectories: int = flag(3, "trajectories written as text at each eval", lo=0)
+    model: str = flag("tiny", "tiny (the shipped prior), a hub id such as Qwen/Qwen2.5-0.5B-Instruct, a "
+                              "folder or a .gguf file")
+    device: str = flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
+    threads: int = flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)", lo=1)
+    micro_batch: int | None = flag(None, "sequences per forward/backward (default: tiny 16, hub models 4)", lo=1)
+    fused: bool = flag(True, "chunked log-probs that never build [B, T, V] logits (engine/logprobs.py)")
+    webshop_data: str | None = flag(None, "folder with the original WebShop files (default: the shipped one)")
+    steps: int = field(default=0, metadata={"derived": True})  # optimizer steps, from the data's size
+
+
+RESUMABLE = {"device", "threads"}  # the flags a resumed run may change
 
 
 def derive(cfg: Config) -> Config:
     """Per-model defaults, sizes that follow from the flags, and one-line errors for bad values."""
-    from policy import model_kind
     kind = model_kind(cfg.model)  # tiny-sized folders get the tiny defaults too
     cli.fill_defaults(cfg, {**MODEL_DEFAULTS[kind], "max_new_tokens": default_reply_tokens(kind, cfg.env)})
     if cfg.expert_actions is None:  # the fewest moves per turn that let the expert use the whole budget
         cfg.expert_actions = min(cfg.max_actions_per_turn, -(-cfg.max_actions // max(1, cfg.max_turns)))
     cli.check(cli.bounds(cfg) + [
-        (1 <= cfg.expert_actions <= cfg.max_actions_per_turn,
-         f"--expert-actions {cfg.expert_actions}: must be in 1..{cfg.max_actions_per_turn} (--max-actions-per-turn)"),
-        (not cfg.webshop_data or cfg.env == "webshop",
-         f"--webshop-data {cfg.webshop_data}: only for --env webshop (this run: --env {cfg.env})"),
-    ])
+        (1 <= cfg.expert_actions <= cfg.max_actions_per_turn, f"--expert-actions {cfg.expert_actions}: must be "
+                                                              f"in 1..{cfg.max_actions_per_turn} (--max-actions-per-turn)"),
+        (not cfg.webshop_data or cfg.env == "webshop", f"--webshop-data {cfg.webshop_data}: only for --env "
+                                                       f"webshop (this run: --env {cfg.env})")])
     cfg.out = cfg.out if cfg.out is not None else f"runs/sft-{cfg.env}-s{cfg.seed}"
     return cfg
 
 
-# ------------------------------------------------------------------------------------------- the data
+# ----------------------------------------------------------------------------------------------- the data
 
 def data_seeds(seed: int, n_train: int, n_test: int) -> tuple[list[int], list[int]]:
     """Distinct training seeds (envs.train_seeds: never an eval seed) -> (train, test), disjoint."""
@@ -138,7 +128,7 @@ def expert_trajectories(env: str, seeds: list[int], rcfg, tok, actions_per_turn:
 
 
 def short_examples(trajs, tok, rcfg) -> list:
-    """The curriculum's short examples: each state the expert met, shown alone ("State:\n<grid>": no system
+    """The curriculum's short examples: each state the expert met, shown alone ("State:\\n<grid>": no system
     prompt, instructions or history), answered by the expert's own reply to it."""
     tag, out = prefill(rcfg), []
     for t in trajs:
@@ -160,6 +150,20 @@ def unknown_words(tok, trajs) -> list[str]:
     return sorted(w for w in words if tok.unk_token_id in tok(" " + w, add_special_tokens=False)["input_ids"])
 
 
+def batch_of(cfg: Config, it: int, short: list, train_segs: list, per_epoch: int) -> tuple[int, int, list]:
+    """Step `it`'s sequences: the curriculum's short examples first (epoch -1), then the expert's sequences in
+    a permutation per epoch; every order derives from (seed, step or epoch), so a resumed run draws the same.
+    -> (epoch, step within it, segments)."""
+    if it < cfg.short_steps:
+        rows = torch.randperm(len(short), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 - it - 1))
+        return -1, it, [short[i] for i in rows[:cfg.short_batch].tolist()]
+    epoch, k = divmod(it - cfg.short_steps, per_epoch)
+    perm = torch.randperm(len(train_segs), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
+    return epoch, k, [train_segs[i] for i in perm[k * cfg.batch:(k + 1) * cfg.batch].tolist()]
+
+
+# ---------------------------------------------------------------------------------------------- the update
+
 def micro_batches(segs, micro: int):
     """Length-sorted micro-batches (less padding; the summed gradient does not depend on the grouping)."""
     segs = sorted(segs, key=lambda s: len(s.input_ids))
@@ -168,22 +172,19 @@ def micro_batches(segs, micro: int):
 
 def masked_logprobs(policy, part, cfg: Config, pad_id: int, device, amp):
     """One micro-batch of segments -> log-probs and entropies [b, T] (0 off the mask) and the loss mask [b, T]
-    (fused path; the system prompt + instructions that every row shares run once, starpo.shared_prefix_len,
-    and the LM head runs on the reply tokens only)."""
-    from policy import pad_segments
+    (the header every row shares runs once; the LM head runs on the reply tokens only)."""
     ids, attn, mask_cpu = pad_segments(part, pad_id)  # [b, T] each, on the CPU
     ids, attn, mask = ids.to(device), attn.to(device), mask_cpu.to(device)
     pre = shared_prefix_len([s.input_ids for s in part])
     with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-        logp, ent = token_logprobs(policy, ids, attn, 1.0, cfg.fused, prefix_len=pre, positions=mask_cpu)  # [b, T]
+        logp, ent = token_logprobs(policy, ids, attn, 1.0, cfg.fused, prefix_len=pre, positions=mask_cpu)
     return logp, ent, mask
 
 
 def sft_step(policy, opt, segs, cfg: Config, pad_id: int, device, amp) -> dict:
-    """One optimizer step on `segs`: token-mean cross-entropy on the mask, accumulated over micro-batches.
-
-    Each micro-batch's summed NLL is divided by the token count of the whole batch, so the accumulated gradient
-    equals one big batch's. Metrics stay tensors until the single host sync at the end."""
+    """One optimizer step on `segs`: token-mean cross-entropy on the mask, accumulated over micro-batches, each
+    micro-batch's summed NLL divided by the token count of the whole batch (so the accumulated gradient equals
+    one big batch's). Metrics stay tensors until the single host sync at the end."""
     n_tok = sum(sum(s.loss_mask) for s in segs)  # host ints: known before any forward
     nll_sum, ent_sum = torch.zeros((), device=device), torch.zeros((), device=device)
     for part in micro_batches(segs, cfg.micro_batch):
@@ -216,7 +217,8 @@ def test_loss(policy, segs, cfg: Config, pad_id: int, device, amp) -> float:
 
 
 def lr_factor(step: int, steps: int) -> float:
-    """Linear warm-up over the first WARMUP_FRACTION of the steps, then a cosine from 1 towards 0."""
+    """Linear warm-up over the first WARMUP_FRACTION of the steps, then a cosine from 1 towards 0 (the paper
+    states only the peak)."""
     warmup = max(1, round(WARMUP_FRACTION * steps))
     if step < warmup:
         return (step + 1) / warmup
@@ -227,25 +229,24 @@ def trainable_state(policy) -> dict[str, torch.Tensor]:  # put back with load_st
     return {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
 
 
-# ------------------------------------------------------------------------------------------- main
+# ------------------------------------------------------------------------------------------------- main
 
 def main(argv=None):
-    # ---- config
+    # ---- 1. config and every input, checked before anything is written
     try:
-        cfg = derive(cli.parse(Config, argv, description=__doc__.split("\n")[0])[0])
-        out = cli.run_folder(cfg.out, "--out", cfg.overwrite)
-        from policy import autocast_dtype, pick_device, setup_device
-
-        # ---- model (+ LoRA), optimizer
+        cfg, explicit = cli.parse(Config, argv, description=__doc__.split("\n")[0])
+        cfg = resume_config(Config, cfg, explicit, RESUMABLE) if cfg.resume else derive(cfg)
+        out = Path(cfg.out) if cfg.resume else cli.run_folder(cfg.out, "--out", cfg.overwrite, resumable=True)
+        found = read_checkpoint(out, "cpu") if cfg.resume else None
+        start, state, ck = found or (0, None, None)
+        kept_metrics = read_metrics(out / "metrics.jsonl", start) if found else []
+        # ---- 2. the model (+ LoRA) and its optimizer
         t_start = time.time()
         device = pick_device(cfg.device)
         setup_device(device, cfg.threads)
-        policy, tok, path, env_overrides = load_model_and_env(cfg, device)
+        policy, tok, path, env_kw = load_model_and_env(cfg, device)
     except ValueError as e:
         cli.fail(str(e))
-    if cfg.overwrite and out.exists():  # the inputs are good: only now is the earlier run replaced
-        cli.clear_run_folder(out)
-    out.mkdir(parents=True, exist_ok=True)
     amp = autocast_dtype(device)
     if cfg.lora_rank > 0:
         wrapped = add_lora(policy, cfg.lora_rank, cfg.lora_alpha)
@@ -253,99 +254,111 @@ def main(argv=None):
     trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     print(f"trainable parameters: {trainable:,} of {sum(p.numel() for p in policy.parameters()):,}")
     opt = make_optimizer(policy, cfg.lr, betas=(0.9, cfg.adam_beta2))
-    eval_rcfg = rollout_config(cfg, cfg.eval_temperature)
+    rcfg = RolloutConfig.of(cfg, cfg.eval_temperature)
 
-    # ---- data: expert trajectories on training seeds (never eval seeds), train and test disjoint
+    # ---- 3. data: expert trajectories on training seeds (never eval seeds), train and test disjoint
     t0 = time.time()
     train_s, test_s = data_seeds(cfg.seed, cfg.train_trajectories, cfg.test_trajectories)
-    trajs = expert_trajectories(cfg.env, train_s + test_s, eval_rcfg, tok, cfg.expert_actions, env_overrides)
+    trajs = expert_trajectories(cfg.env, train_s + test_s, rcfg, tok, cfg.expert_actions, env_kw)
     train_trajs, test_trajs = trajs[:cfg.train_trajectories], trajs[cfg.train_trajectories:]
     train_segs, test_segs = ([s for t in part for s in t.segments] for part in (train_trajs, test_trajs))
-    short = short_examples(train_trajs, tok, eval_rcfg) if cfg.short_steps else []
+    short = short_examples(train_trajs, tok, rcfg) if cfg.short_steps else []
     per_epoch = math.ceil(len(train_segs) / cfg.batch)
     cfg.steps = cfg.short_steps + cfg.epochs * per_epoch
-    n_tok, n_all = (sum(sum(s.loss_mask) for s in train_segs), sum(len(s.input_ids) for s in train_segs))
-    solved = sum(t.success for t in train_trajs) / len(train_trajs)
+    n_tok, n_all = sum(sum(s.loss_mask) for s in train_segs), sum(len(s.input_ids) for s in train_segs)
     print(f"expert data: {len(train_segs)} train / {len(test_segs)} test sequences from {len(train_trajs)} / "
-          f"{len(test_trajs)} trajectories (expert success {solved:.3f}), {n_tok / len(train_segs):.1f} trained "
-          f"of {n_all / len(train_segs):.0f} tokens per sequence; {len(short)} short examples for "
-          f"{cfg.short_steps} curriculum steps; {time.time() - t0:.1f}s")
+          f"{len(test_trajs)} trajectories (expert success {sum(t.success for t in train_trajs) / len(train_trajs):.3f}), "
+          f"{n_tok / len(train_segs):.1f} trained of {n_all / len(train_segs):.0f} tokens per sequence; "
+          f"{len(short)} short examples for {cfg.short_steps} curriculum steps; {time.time() - t0:.1f}s")
     unknown = unknown_words(tok, trajs)
     if unknown:
         print(f"warning: the tokenizer has no tokens for {unknown} in the expert's replies: trained as <unk>")
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.steps))
+    if cfg.overwrite and not cfg.resume:
+        cli.clear_run_folder(out)  # the inputs are good: only now is the earlier run replaced
+    out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     print("config:", json.dumps(asdict(cfg)))
-    with open(out / "expert-trajectories.txt", "w") as f:
-        f.write("".join(dump(t, tok) + "\n" for t in train_trajs[:cfg.dump_trajectories]))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.steps))
-
-    # ---- the loop
-    from tqdm import tqdm
+    (out / "expert-trajectories.txt").write_text("".join(dump(t, tok) + "\n" for t in train_trajs[:cfg.dump_trajectories]))
     metrics_path = out / "metrics.jsonl"
-    metrics_path.write_text("")
-    initial_loss = test_loss(policy, test_segs, cfg, tok.pad_token_id, device, amp)
-    best = {"loss": initial_loss, "epoch": 0, "state": trainable_state(policy)}  # epoch 0: the model as loaded
-    print(f"test loss before training: {initial_loss:.4f}")
-    bar = tqdm(range(cfg.steps), total=cfg.steps, desc="SFT", dynamic_ncols=True)
-    policy.train()
-    for it in bar:
-        t0 = time.time()
-        # 1. one optimizer step: first the curriculum's short examples (epoch 0), then the expert's sequences
-        if it < cfg.short_steps:
-            epoch, k = -1, it
-            rows = torch.randperm(len(short), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 - it - 1))
-            segs = [short[i] for i in rows[:cfg.short_batch].tolist()]
-        else:
-            epoch, k = divmod(it - cfg.short_steps, per_epoch)
-            if k == 0:  # the epoch's batches: a permutation derived from (seed, epoch)
-                gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
-                perm = torch.randperm(len(train_segs), generator=gen).tolist()
-                order = [perm[i:i + cfg.batch] for i in range(0, len(perm), cfg.batch)]
-            segs = [train_segs[i] for i in order[k]]
-        m: dict = {"step": it + 1, "epoch": epoch + 1, "train/lr": sched.get_last_lr()[0]}
-        m.update(sft_step(policy, opt, segs, cfg, tok.pad_token_id, device, amp))
-        sched.step()
-        m["time/step"] = time.time() - t0
+    metrics_path.write_text("".join(line + "\n" for line in kept_metrics))
+    if state is None:
+        initial_loss = test_loss(policy, test_segs, cfg, tok.pad_token_id, device, amp)
+        best = {"loss": initial_loss, "epoch": 0, "state": trainable_state(policy)}  # epoch 0: as loaded
+        print(f"test loss before training: {initial_loss:.4f}")
+    else:  # the weights (LoRA: the adapters), the optimizer, the schedule, the kept state
+        policy.load_state_dict(state["policy_lora"] or trainable_state_of(ck, device), strict=False)
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        initial_loss, best = state["initial_loss"], state["best"]
+        print(f"resumed from {ck} at step {start}")
 
-        # 2. end of an epoch: test loss (keep the lowest), optional eval, log
-        if epoch >= 0 and k == per_epoch - 1:
-            t1 = time.time()
-            m["test/loss"] = test_loss(policy, test_segs, cfg, tok.pad_token_id, device, amp)
-            if m["test/loss"] < best["loss"]:
-                best = {"loss": m["test/loss"], "epoch": epoch + 1, "state": trainable_state(policy)}
-            m["test/best_loss"] = best["loss"]
-            m["time/test"] = time.time() - t1
-            if cfg.eval_every and (epoch + 1) % cfg.eval_every == 0:
-                t2 = time.time()
-                em, _ = evaluate(cfg.env, eval_rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
-                                 env_overrides=env_overrides)
-                m.update({f"eval/{key}": v for key, v in em.items() if key != "episodes"})
-                m["time/eval"] = time.time() - t2
-        m["time/iteration"] = time.time() - t0
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(m) + "\n")
-        tqdm.write(line(m, cfg.steps))
+    # ---- 4. the loop
+    from tqdm import tqdm
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="SFT", dynamic_ncols=True)
+    policy.train()
+    it, saved_at = start, start
+    try:
+        for it in bar:
+            t0 = time.time()
+            # 1. one optimizer step: the curriculum's short examples first, then the expert's sequences
+            epoch, k, segs = batch_of(cfg, it, short, train_segs, per_epoch)
+            m: dict = {"step": it + 1, "epoch": epoch + 1, "train/lr": sched.get_last_lr()[0]}
+            m.update(sft_step(policy, opt, segs, cfg, tok.pad_token_id, device, amp))
+            sched.step()
+            m["time/step"] = time.time() - t0
+            # 2. end of an epoch: the test loss (the lowest kept), an optional eval
+            if epoch >= 0 and k == per_epoch - 1:
+                t1 = time.time()
+                m["test/loss"] = test_loss(policy, test_segs, cfg, tok.pad_token_id, device, amp)
+                if m["test/loss"] < best["loss"]:
+                    best = {"loss": m["test/loss"], "epoch": epoch + 1, "state": trainable_state(policy)}
+                m["test/best_loss"], m["time/test"] = best["loss"], time.time() - t1
+                if cfg.eval_every and (epoch + 1) % cfg.eval_every == 0:
+                    t2 = time.time()
+                    em, _ = evaluate(cfg.env, rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
+                                     env_overrides=env_kw)
+                    m.update({f"eval/{key}": v for key, v in em.items() if key != "episodes"})
+                    m["time/eval"] = time.time() - t2
+            # 3. log, checkpoint
+            m["time/iteration"] = time.time() - t0
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(m) + "\n")
+            if cfg.save_every and ((it + 1) % cfg.save_every == 0 or it + 1 == cfg.steps):
+                save_checkpoint(out, it + 1, tok, {"policy": policy}, {
+                    "opt": opt.state_dict(), "sched": sched.state_dict(), "initial_loss": initial_loss,
+                    "best": best}, config=asdict(cfg))
+                saved_at = it + 1
+            tqdm.write(line(m, cfg.steps))
+    except KeyboardInterrupt:
+        bar.close()
+        raise KeyboardInterrupt(f"at step {it + 1} (last checkpoint: {f'step {saved_at}' if saved_at else 'none yet'}"
+                                f"); continue with: python sft_baseline.py --resume {out}") from None
     bar.close()
 
-    # ---- export: the lowest-test-loss parameters, LoRA merged, one final eval
+    # ---- 5. export: the lowest-test-loss parameters, LoRA merged, one final eval
     policy.load_state_dict(best["state"], strict=False)
     merged = merge_lora(policy)
     policy.eval()
     save_final(out, policy, tok, cfg)
     t0 = time.time()
-    em, etrajs = evaluate(cfg.env, eval_rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
-                          env_overrides=env_overrides)
+    em, etrajs = evaluate(cfg.env, rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed, env_overrides=env_kw)
     (out / "trajectories-final.txt").write_text("".join(dump(t, tok) + "\n" for t in etrajs[:cfg.dump_trajectories]))
     result = {"initial_test_loss": initial_loss, "best_epoch": best["epoch"], "best_test_loss": best["loss"],
-              "lora_layers_merged": merged,
-              **{f"eval/{key}": v for key, v in em.items()}, "time/eval": time.time() - t0,
-              "time/total": time.time() - t_start}
+              "lora_layers_merged": merged, **{f"eval/{key}": v for key, v in em.items()},
+              "time/eval": time.time() - t0, "time/total": time.time() - t_start}
     (out / "result.json").write_text(json.dumps(result, indent=2))
     print(f"kept epoch {best['epoch']} (test loss {best['loss']:.4f}); eval success {em['success']:.3f} "
           f"[{em['success_lo']:.3f}, {em['success_hi']:.3f}] on {em['episodes']} prompts; "
           f"total {result['time/total']:.0f}s")
     print(f"final policy: {out / 'final'}")
     return out
+
+
+def trainable_state_of(ck: Path, device) -> dict:
+    """A full fine-tuning checkpoint's weights (its policy folder) as a state dict."""
+    from engine.models import load_policy
+    return load_policy(str(ck / "policy"), device, "--resume")[0].state_dict()
 
 
 def line(m: dict, steps: int) -> str:

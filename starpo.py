@@ -1,59 +1,32 @@
-"""StarPO's update: the clipped token-level policy loss, entropy bonus, KL to the initial policy, the PPO
-critic's clipped value loss, a memory-light fused log-prob/entropy path, and `update` that runs them.
+"""StarPO's update (paper section 2.2): the clipped token-level policy loss, the entropy bonus, the KL to the
+initial policy, PPO's critic and its clipped value loss, and `update`, one pass of mini-batch steps.
 
-Paper: RAGEN section 2.2 (StarPO: PPO or GRPO on whole multi-turn trajectories, token-level objective),
-section 4.2 (StarPO-S: KL removal, Clip-Higher eps_low = 0.2 / eps_high = 0.28), Appendix A (PPO critic),
-Appendix C.2 (entropy bonus 0.001, KL 0.001 for StarPO and only tracked post-hoc for StarPO-S, gamma = lambda = 1,
-"update batch 32, mini-batch 4", read as RAGEN's config does: 32 trajectories per optimizer step
-(ppo_mini_batch_size), gradients accumulated over micro-batches of 4), Appendix D (clip and KL ablations).
-
-Per sampled token t of a trajectory (mask[:, t] == 1):
-    ratio_t = exp(logp_t - old_logp_t)                                   (log-ratio clamped to +-20)
+Per sampled token t of a trajectory (mask[:, t] == 1), with A_t from advantages.py:
+    ratio_t = exp(logp_t - old_logp_t)                                    (log-ratio clamped to +-20)
     pg_t    = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high))
-              and, with dual clip c > 1 (verl's clip_ratio_c, off by default), min(pg_t, -A_t * c) where A_t < 0
     loss    = agg(pg) - entropy_coef * agg(entropy) + kl_coef * agg(kl(logp, ref_logp))
-where agg is a token mean over the mini-batch's sampled tokens (default). Log-probs and entropies come from
-`token_logprobs`; the default fused path never materialises the [B, T, V] logits (V = 151,936 for Qwen2.5).
-
-Token convention: `logp[:, t] = log p(input_ids[:, t] | input_ids[:, :t])` (from the logits at t - 1; column 0
-is 0), `entropy[:, t]` the entropy of that same distribution, `values[:, t]` the value of the state just before
-token t; all right-padded [B, T] like the masks.
-
-Deliberate deviations from the paper / RAGEN (verl core_algos):
-1. `pg_clipfrac_upper` counts tokens clipped at 1 + eps_high (A > 0), `pg_clipfrac_lower` those at 1 - eps_low
-   (A < 0); verl's `pg_clipfrac_lower` is its dual-clip fraction, here `pg_clipfrac_dual` (logged by `update`
-   only with dual clip on). Dual clip (`dual_clip=c`, verl's clip_ratio_c, RAGEN's current runs: 3.0) is off by
-   default, as in the paper; verl always applies it (its assert c > 1 makes "off" impossible there).
-2. The loss is aggregated over the whole mini-batch (`--loss-agg`), so micro-batching changes nothing (paper-era
-   verl averaged per-micro-batch token means); `seq-mean-*` divide by the rows with a sampled token (verl: all).
-3. Values outside the mask never reach a loss or a gradient (verl multiplies by the mask: NaN x 0 = NaN).
-4. The fused path computes logits in fp32, also under bf16 autocast (HF and verl: a bf16 head); it assumes
-   logits = lm_head(last hidden state) (Qwen2/Llama/Mistral); others must use `fused=False`.
-5. `update` syncs with the host once per optimizer step (is the step finite?) and once for the metrics. A
-   non-finite loss or grad norm skips the whole mini-batch, counted in `train/skipped_nonfinite`.
-6. `train/approx_kl` is verl's `ppo_kl` (k1 to the rollout policy); `train/kl_to_init` uses `kl_kind` and is
-   measured whenever reference log-probs are given, also with kl_coef = 0 (StarPO-S, Appendix C.2).
-7. `update` leaves train/eval mode to the caller (old_logp must come from the same mode; Qwen2 has no dropout).
-8. Data parallel (`update(shard=(rank, world))`): each rank trains rows rank, rank + world, ... of every mini-batch
-   under DDP, the same gradient and metrics up to summation order; a rank short of rows runs a zero-weight one.
+StarPO-S (section 4.2): eps_low 0.2 / eps_high 0.28 (Clip-Higher), kl_coef 0 (StarPO: 0.2 / 0.2, 0.001).
+Appendix C.2: entropy 0.001, 32 trajectories per optimizer step accumulated over micro-batches; agg is a token
+mean over the mini-batch's sampled tokens. All tensors are [B, T], right-padded, one row per trajectory, and
+follow engine/logprobs.py's convention (logp[:, t] scores token t). Next: train.py, which builds the batch.
 """
-
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+import torch.nn as nn
+
+from engine.logprobs import token_logprobs
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 LOG_RATIO_CLAMP = 20.0
 
 
-# --------------------------------------------------------------------------------------------------------- Aggregation
+# ---------------------------------------------------------------------------------------------------- losses
 
 def aggregate(loss_tok: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
               denom: torch.Tensor | float | None = None) -> torch.Tensor:
@@ -62,8 +35,8 @@ def aggregate(loss_tok: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean
     token-mean:           sum over sampled tokens / number of sampled tokens
     seq-mean-token-mean:  per row, mean over its sampled tokens; then sum over rows / number of non-empty rows
     seq-mean-token-sum:   per row, sum over its sampled tokens; then sum over rows / number of non-empty rows
-    `denom` overrides the divisor (tokens for token-mean, rows for seq-mean-*): `update` passes the count of the
-    whole mini-batch so that micro-batch losses add up exactly to the mini-batch loss.
+    `denom` overrides the divisor: `update` passes the whole mini-batch's count, so that micro-batch losses
+    add up exactly to the mini-batch loss.
     """
     m = mask > 0
     masked = torch.where(m, loss_tok, 0.0)  # [B, T]
@@ -83,8 +56,6 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(m, x, 0.0).sum() / m.sum().clamp(min=1)
 
 
-# -------------------------------------------------------------------------------------------------------------- Losses
-
 def check_dual_clip(dual_clip: float | None) -> None:
     """0 or None turns dual clip off; otherwise it must exceed 1, as verl asserts for clip_ratio_c."""
     if dual_clip and not dual_clip > 1.0:
@@ -95,12 +66,12 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 clip_low: float = 0.2, clip_high: float = 0.28, agg: str = "token-mean",
                 denom: torch.Tensor | float | None = None,
                 dual_clip: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate with decoupled clip bounds (Clip-Higher, section 4.2): pg_t of the module docstring
-    on [B, T] inputs, aggregated (`denom`: see `aggregate`). `dual_clip=c > 1` caps the loss of a token with A < 0
-    at -A * c (verl's dual-clip PPO, clip_ratio_c), so a huge ratio on a bad action cannot dominate the batch;
-    0 or None: off. Returns (loss, metrics), metrics as 0-dim tensors (token means over the mask, no host sync):
-    pg_clipfrac(_upper, _lower), pg_clipfrac_dual (tokens where the cap bites: 0 when off), approx_kl (k1 to the
-    old policy)."""
+    """PPO's clipped surrogate with decoupled bounds (Clip-Higher, section 4.2): pg_t of the module docstring,
+    aggregated. `dual_clip=c > 1` (beyond the paper: verl's clip_ratio_c, RAGEN's later runs 3.0) caps the
+    loss of a token with A < 0 at -A * c, so a huge ratio on a bad action cannot dominate the batch.
+    -> (loss, metrics as 0-dim tensors, no host sync): pg_clipfrac (any side), pg_clipfrac_upper (ratio above
+    1 + eps_high, A > 0), pg_clipfrac_lower (below 1 - eps_low, A < 0), pg_clipfrac_dual (where the cap bites;
+    verl calls it pg_clipfrac_lower), approx_kl (k1 to the old policy, verl's ppo_kl)."""
     check_dual_clip(dual_clip)
     m = mask > 0
     # outside the mask: A = 0 and old = logp, so junk there (padding) cannot reach a gradient
@@ -114,7 +85,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     dual = torch.zeros_like(m)  # [B, T] where the dual clip's cap is the loss
     if dual_clip:
         cap = -adv * dual_clip  # [B, T]
-        dual = (adv < 0) & (loss_tok > cap)  # verl's pg_clipfrac_lower condition
+        dual = (adv < 0) & (loss_tok > cap)
         loss_tok = torch.where(adv < 0, torch.minimum(cap, loss_tok), loss_tok)
     metrics = {
         "pg_clipfrac": masked_mean((clipped > unclipped).float(), mask),
@@ -129,8 +100,8 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimate [B, T] of KL(pi || pi_ref) from samples of pi (Schulman's estimators).
 
-    k1: logp - ref_logp (unbiased, high variance, can be negative).
-    k3: r - log r - 1 with r = pi_ref / pi, i.e. verl's `low_var_kl` (log r clamped to +-20, result clamped to
+    k1: logp - ref_logp (unbiased, high variance, can be negative; RAGEN's `kl`, the paper's runs).
+    k3: r - log r - 1 with r = pi_ref / pi, verl's `low_var_kl` (log r clamped to +-20, the result to
         [-10, 10]); non-negative, low variance.
     """
     if kind == "k1":
@@ -139,250 +110,66 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
     return (torch.exp(log_r) - log_r - 1.0).clamp(-10.0, 10.0)
 
 
+class Critic(nn.Module):
+    """PPO's value model (Appendix A): a separate copy of the policy's backbone and a scalar head, initialised
+    to zero (the first values are 0, not noise). values[:, t] is the value of the state just before token t
+    (read from the hidden state at t - 1), aligned with logp[:, t]. engine/models.load_critic builds it."""
+
+    def __init__(self, backbone: nn.Module):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(backbone.config.hidden_size, 1)
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask):
+        h = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
+        v = self.value_head(h).squeeze(-1).float()                                               # [B, T]
+        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+
+    def save_pretrained(self, path: str) -> None:
+        from engine.lora import plain_state_dict
+        from pathlib import Path
+        self.backbone.save_pretrained(path, state_dict=plain_state_dict(self.backbone))
+        torch.save(self.value_head.state_dict(), Path(path) / "value_head.pt")
+
+
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                clip: float = 0.5,
                denom: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped value loss (Appendix A): 0.5 * token-mean of max((V - R)^2, (V_clip - R)^2) where
-    V_clip = old_V + clip(V - old_V, -clip, clip). Returns (loss, {"vf_clipfrac": fraction of tokens where the
-    clipped error is the larger one}). `denom`: number of tokens to divide by (see `aggregate`).
-    """
+    """PPO's clipped value loss (Appendix A): 0.5 * token-mean of max((V - R)^2, (V_clip - R)^2), V_clip =
+    old_V + clip(V - old_V, -clip, clip). -> (loss, {"vf_clipfrac": share of tokens where the clipped error
+    is the larger})."""
     m = mask > 0
     v = values.float()
     ret = torch.where(m, returns.float(), v.detach())
     old = torch.where(m, old_values.float(), v.detach())
     err = (v - ret) ** 2
-    # clamp v itself into [old - clip, old + clip]: exact when inside (old + (v - old) may round off by an ulp and
-    # count as "clipped")
+    # clamp v itself into [old - clip, old + clip]: exact inside (old + (v - old) may round off by an ulp)
     err_clipped = (torch.minimum(torch.maximum(v, old - clip), old + clip) - ret) ** 2
     frac = masked_mean((err_clipped > err).float(), mask)
     return 0.5 * aggregate(torch.maximum(err, err_clipped), mask, "token-mean", denom), {"vf_clipfrac": frac}
 
 
-# ----------------------------------------------------- Log-probs and entropies: naive reference and fused chunked path
+# ------------------------------------------------------------------------------------------------- the batch
 
-def naive_logprobs_entropy_from_logits(logits: torch.Tensor, targets: torch.Tensor,
-                                       temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference: logits [N, V] -> (log p(target) [N], entropy [N]) through the full fp32 log-softmax."""
-    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [N, V]
-    return logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+def pad_segments(segs, pad_id: int):
+    """Right-pad segments -> input_ids [B, T], attention_mask [B, T], loss_mask [B, T] (float)."""
+    T = max(len(s.input_ids) for s in segs)
+    ids = torch.full((len(segs), T), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(segs), T), dtype=torch.long)
+    mask = torch.zeros((len(segs), T))
+    for i, s in enumerate(segs):
+        n = len(s.input_ids)
+        ids[i, :n] = torch.tensor(s.input_ids)
+        attn[i, :n] = 1
+        mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float)
+    return ids, attn, mask
 
-
-def naive_logprobs_entropy(hidden, weight, bias, targets, temperature: float = 1.0):
-    """Reference for `fused_logprobs_entropy`, same arguments: materialises the whole [N, V] fp32 logits."""
-    logits = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())  # [N, V]
-    return naive_logprobs_entropy_from_logits(logits, targets, temperature)
-
-
-# Elementwise work on a chunk's logits runs over row blocks of about this many floats (64 MiB), so that the
-# chunk's [c, V] logits buffer is the only large tensor; the matmuls still see the whole chunk.
-_BLOCK_ELEMENTS = 1 << 24
-
-
-def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, temperature: float,
-                  out: torch.Tensor) -> torch.Tensor:
-    """(h @ w.T + b) / temperature in fp32, written into `out` [c, V] (reused across chunks: no fresh
-    allocation, and on CPU no page faults, per chunk)."""
-    if b is None:
-        torch.mm(h.float(), w.t(), out=out)
-    else:
-        torch.addmm(b, h.float(), w.t(), out=out)
-    if temperature != 1.0:
-        out.div_(temperature)
-    return out
-
-
-class _FusedLogprobEntropy(torch.autograd.Function):
-    """`fused_logprobs_entropy`. Extra memory: one [chunk, V] fp32 logits buffer, one [rows, V] block buffer
-    (64 MiB) and, in backward, the fp32 [V, H] weight gradient, instead of several [N, V] tensors."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
-        with torch.autocast(device_type=hidden.device.type, enabled=False):
-            w = weight.float()  # no copy when the head is already fp32
-            b = None if bias is None else bias.float()
-            n, V = hidden.shape[0], w.shape[0]
-            rows = max(1, min(chunk_size, _BLOCK_ELEMENTS // V))
-            logits = torch.empty(min(chunk_size, n), V, dtype=torch.float32, device=hidden.device)  # [c, V]
-            block = torch.empty(rows, V, dtype=torch.float32, device=hidden.device)  # [rows, V]
-            logp = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
-            entropy = torch.empty_like(logp)  # [N]
-            lse = torch.empty_like(logp)  # [N] log-sum-exp of the (tempered) logits, reused by backward
-            for s in range(0, n, chunk_size):
-                e = min(s + chunk_size, n)
-                z = _chunk_logits(hidden[s:e], w, b, temperature, logits[:e - s])  # [c, V]
-                for r in range(0, e - s, rows):
-                    zr = z[r:r + rows]  # [r, V] view
-                    i = slice(s + r, s + r + zr.shape[0])  # the same tokens in the [N] outputs
-                    z_max = zr.amax(dim=1, keepdim=True)  # [r, 1]
-                    zr.sub_(z_max)  # shifted logits <= 0: exp cannot overflow
-                    q = torch.exp(zr, out=block[:zr.shape[0]])  # unnormalised probabilities
-                    total = q.sum(dim=1)  # [r]
-                    log_total = torch.log(total)
-                    logp[i] = zr.gather(1, targets[i].unsqueeze(1)).squeeze(1) - log_total
-                    # H = -sum_v p_v (z_v - log_total) = log_total - sum_v q_v z_v / total; the product goes
-                    # in place into q (a bmm row-dot would also avoid a buffer but sums far less accurately)
-                    entropy[i] = log_total - q.mul_(zr).sum(dim=1) / total
-                    lse[i] = z_max.squeeze(1) + log_total
-            del logits, block
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
-        ctx.temperature = temperature
-        ctx.chunk_size = chunk_size
-        return logp, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
-        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        temperature, chunk_size = ctx.temperature, ctx.chunk_size
-        with torch.autocast(device_type=hidden.device.type, enabled=False):
-            w = weight.float()
-            b = None if bias is None else bias.float()
-            n, V = hidden.shape[0], w.shape[0]
-            grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) if need_h else None  # [N, H]
-            grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None  # [V, H]
-            grad_b = torch.zeros(b.shape, dtype=torch.float32, device=b.device) if need_b else None  # [V]
-            g_lp = grad_logp.float().unsqueeze(1)  # [N, 1]
-            g_ent = grad_entropy.float().unsqueeze(1)  # [N, 1]
-            rows = max(1, min(chunk_size, _BLOCK_ELEMENTS // V))
-            logits = torch.empty(min(chunk_size, n), V, dtype=torch.float32, device=hidden.device)  # [c, V]
-            block = torch.empty(rows, V, dtype=torch.float32, device=hidden.device)  # [rows, V]
-            for s in range(0, n, chunk_size):
-                e = min(s + chunk_size, n)
-                h = hidden[s:e].float()  # [c, H]
-                z = _chunk_logits(h, w, b, temperature, logits[:e - s])  # [c, V]
-                for r in range(0, e - s, rows):
-                    zr = z[r:r + rows]  # [r, V] view
-                    i = slice(s + r, s + r + zr.shape[0])
-                    zr.sub_(lse[i].unsqueeze(1))  # log p_v
-                    p = torch.exp(zr, out=block[:zr.shape[0]])  # [r, V]
-                    # d logp_y / d z_v = 1[v = y] - p_v ;  d H / d z_v = -p_v (log p_v + H)
-                    # => grad_z = p * (-g_ent * (log p + H) - g_lp) + g_lp * onehot(y), built in place in z
-                    zr.add_(entropy[i].unsqueeze(1)).mul_(-g_ent[i]).sub_(g_lp[i]).mul_(p)
-                    zr.scatter_add_(1, targets[i].unsqueeze(1), g_lp[i])
-                if temperature != 1.0:
-                    z.div_(temperature)  # the logits were divided by T
-                if need_h:
-                    torch.mm(z, w, out=grad_h[s:e])
-                if need_w:
-                    grad_w.addmm_(z.t(), h)
-                if need_b:
-                    grad_b.add_(z.sum(dim=0))
-            del logits, block
-        grads = [None if g is None else g.to(x.dtype) for g, x in ((grad_h, hidden), (grad_w, weight), (grad_b, bias))]
-        return *grads, None, None, None  # in the inputs' dtypes
-
-
-def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           targets: torch.Tensor, temperature: float = 1.0,
-                           chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
-    """log p(target) [N] and entropy [N] of softmax((hidden @ weight.T + bias) / temperature), chunk by chunk:
-    hidden [N, H], weight [V, H] (the LM head), bias [V] or None, targets [N] long. Forward keeps only each token's
-    log-sum-exp and entropy, backward recomputes each chunk's fp32 logits (also under autocast): no [N, V] tensor
-    is kept. Differentiable in hidden, weight and bias; no host sync."""
-    return _FusedLogprobEntropy.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size))
-
-
-def shared_prefix_len(rows: list[list[int]]) -> int:
-    """Length of the token prefix that all `rows` share, capped so every row keeps >= 1 token after it.
-
-    Host lists, so no device sync. Rendered from one template, all rows of an env start with the same system
-    prompt and instructions (132 of ~235 tokens in a 1-turn Sokoban window of the tiny tokenizer);
-    starpo.token_logprobs(prefix_len=) and sampler.generate run that part once instead of once per row."""
-    n = min(map(len, rows), default=1) - 1
-    for r in rows[1:]:
-        n = next((k for k in range(n) if r[k] != rows[0][k]), n)
-    return max(0, n)
-
-
-def cache_keyword(model: torch.nn.Module) -> str:
-    """The name of `model.base_model`'s KV-cache argument and output: `cache` in transformers >= 5.2x
-    (`past_key_values` is deprecated there, removed in 5.40), `past_key_values` in 4.x and early 5.x."""
-    return "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
-
-
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float = 1.0, fused: bool = True, chunk_size: int = 1024, prefix_len: int = 0,
-                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs and entropies [B, T] (the module docstring's token convention) of a Hugging Face causal LM
-    at the sampling temperature. `fused=True`: `model.base_model`'s hidden states through `fused_logprobs_entropy`
-    with the head of `model.get_output_embeddings()`; `fused=False`: the reference, `model(...).logits`. `model`
-    may also be a TokenLogprobs module, or DistributedDataParallel around one.
-
-    `prefix_len=P > 0` (fused only): the first P tokens are the same, unpadded, in every row
-    (`shared_prefix_len`); the backbone runs them once and the B rows run the rest on that prefix's cache, at
-    (T - P) / T of the backbone cost, with the plain path's values and gradients (tested).
-    `positions` [B, T] (0/1 or bool, best on the CPU: no device sync): the tokens the caller reads, typically its
-    loss mask; both outputs are 0 elsewhere and the fused path runs the LM head only there (replies are ~1/6 of
-    a supervised batch's tokens).
-    """
-    if isinstance(model, TokenLogprobs) or isinstance(getattr(model, "module", None), TokenLogprobs):
-        return model(input_ids, attention_mask, temperature, fused, chunk_size, prefix_len,  # through DDP's forward
-                     positions)
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise ValueError("token_logprobs got DistributedDataParallel(model): wrap TokenLogprobs(model) instead, "
-                         "or its gradients are never all-reduced (see TokenLogprobs)")
-    B, T = input_ids.shape
-    targets = input_ids[:, 1:].reshape(-1)  # [B*(T-1)]
-    # [K] flat indices into the B*(T-1) predicted tokens that the caller reads (all of them without `positions`)
-    keep = None if positions is None else positions[:, 1:].reshape(-1).nonzero().squeeze(1).to(input_ids.device)
-    if model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
-        prefix_len = 0  # activation checkpointing runs without a cache (transformers turns use_cache off)
-    if fused:
-        if prefix_len > 0:  # one row runs the shared prefix; the B rows run the rest on its cache, repeated inside
-            # the autograd graph (the prefix receives the sum of the rows' gradients)
-            from transformers import DynamicCache  # explicit: given none, transformers 4.x returns a legacy tuple
-            kw = cache_keyword(model)
-            pre = model.base_model(input_ids=input_ids[:1, :prefix_len], use_cache=True, **{kw: DynamicCache()})
-            pre[kw].batch_repeat_interleave(B)
-            rest = model.base_model(input_ids=input_ids[:, prefix_len:], attention_mask=attention_mask,
-                                    use_cache=True, **{kw: pre[kw]}).last_hidden_state  # [B, T-P, H], positions P..T-1
-            hidden = torch.cat([pre.last_hidden_state.expand(B, -1, -1), rest], dim=1)  # [B, T, H]
-        else:
-            hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                      use_cache=False).last_hidden_state  # [B, T, H]
-        head = model.get_output_embeddings()
-        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # [B*(T-1), H] predicts tokens 1..T-1
-        if keep is None:
-            logp, entropy = fused_logprobs_entropy(h, head.weight, getattr(head, "bias", None), targets,
-                                                   temperature, chunk_size)
-        else:  # the head on the K kept rows only, scattered back into zeros
-            lp, ent = fused_logprobs_entropy(h.index_select(0, keep), head.weight, getattr(head, "bias", None),
-                                             targets.index_select(0, keep), temperature, chunk_size)  # [K]
-            logp = lp.new_zeros(h.shape[0]).index_copy(0, keep, lp)  # [B*(T-1)]
-            entropy = ent.new_zeros(h.shape[0]).index_copy(0, keep, ent)
-    else:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, V]
-        logp, entropy = naive_logprobs_entropy_from_logits(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                           targets, temperature)
-        if keep is not None:
-            sel = torch.zeros_like(logp).index_fill(0, keep, 1.0)  # [B*(T-1)]
-            logp, entropy = logp * sel, entropy * sel
-    logp = F.pad(logp.view(B, T - 1), (1, 0))  # [B, T], column 0 = 0
-    entropy = F.pad(entropy.view(B, T - 1), (1, 0))
-    return logp, entropy
-
-
-class TokenLogprobs(torch.nn.Module):
-    """`token_logprobs(model, ...)` as a module's forward, the thing to wrap in DistributedDataParallel.
-
-    DDP all-reduces gradients only for work done inside its own forward. The fused path reaches past the model's
-    forward (to `model.base_model` and its head), so on DDP(model).module every rank would silently keep its own
-    gradient; DDP(TokenLogprobs(model)) puts the whole path inside DDP's forward, on the model's own parameters.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:  # token_logprobs' arguments after model
-        return token_logprobs(self.model, *args, **kwargs)
-
-
-# ----------------------------------------------------------------------------------------------- Batch, config, update
 
 @dataclass
 class Batch:
-    """One row per training trajectory; every tensor is [B, T], right-padded, aligned by token position."""
+    """One row per training sequence; every tensor is [B, T], right-padded, aligned by token position."""
     input_ids: torch.Tensor  # [B, T] long
     attention_mask: torch.Tensor  # [B, T] long
     loss_mask: torch.Tensor  # [B, T] float, 1 on the tokens trained
@@ -391,7 +178,7 @@ class Batch:
     ref_logp: torch.Tensor | None = None  # [B, T] log-probs under the initial policy (KL)
     returns: torch.Tensor | None = None  # [B, T] critic targets (PPO)
     old_values: torch.Tensor | None = None  # [B, T] critic values at rollout time (PPO)
-    prefix_len: int = 0  # tokens that start every row identically (shared_prefix_len), run once
+    prefix_len: int = 0  # tokens that start every row identically (engine/logprobs.shared_prefix_len)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -421,30 +208,31 @@ class UpdateConfig:
     value_clip: float = 0.5
     max_grad_norm: float = 1.0
     temperature: float = 1.0  # log-probs at the sampling temperature
-    dual_clip: float | None = None  # verl's clip_ratio_c (> 1; RAGEN's runs: 3.0); 0 or None = off (the paper)
-    fused: bool = True
+    dual_clip: float | None = None  # beyond the paper: verl's clip_ratio_c (> 1); 0 or None = off
+    fused: bool = True  # engine/logprobs.py's chunked path
     chunk_size: int = 1024
 
 
-def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float = 0.01,
+def make_optimizer(module: nn.Module, lr: float, weight_decay: float = 0.01,
                    betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters, weight decay 0.01: the optimizer `update` expects for the policy and
-    the critic (torch's betas, as verl's), and that sft_baseline.py uses with its own beta2."""
+    """AdamW over the trainable parameters, weight decay 0.01 (torch's betas, as verl's)."""
     return torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr,
                              weight_decay=weight_decay, betas=betas)
 
 
+# ---------------------------------------------------------------------------------------------------- update
+
 # update's metrics: token-weighted means, and means over its optimizer steps
-TOKEN_METRICS = ("entropy", "pg_clipfrac", "pg_clipfrac_upper", "pg_clipfrac_lower", "approx_kl", "kl_to_init",
-                 "vf_clipfrac")
+TOKEN_METRICS = ("entropy", "pg_clipfrac", "pg_clipfrac_upper", "pg_clipfrac_lower", "approx_kl",
+                 "kl_to_init", "vf_clipfrac")
 PER_STEP = ("pg_loss", "grad_norm", "kl_loss", "value_loss", "critic_grad_norm")
 
 
 def micro_batches(n: int, micro: int, rank: int = 0, world: int = 1) -> list[list[int]]:
     """Row indices of an n-row mini-batch that `rank` trains, micro-batch by micro-batch: rows rank,
-    rank + world, ... in groups of `micro`. Every rank gets the same number of micro-batches,
-    ceil(ceil(n / world) / micro); a rank with fewer rows gets empty lists at the end (`update` runs a
-    zero-weight micro-batch there). world = 1: consecutive slices, as a single process accumulates."""
+    rank + world, ... in groups of `micro`. Every rank gets ceil(ceil(n / world) / micro) micro-batches; a
+    rank with fewer rows gets empty lists at the end (`update` runs a zero-weight micro-batch there).
+    world = 1: consecutive slices, as a single process accumulates."""
     mine = list(range(rank, n, world))
     return [mine[j * micro:(j + 1) * micro] for j in range(math.ceil(math.ceil(n / world) / micro))]
 
@@ -458,21 +246,21 @@ def no_sync(*modules) -> contextlib.ExitStack:
     return stack
 
 
-def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: UpdateConfig,
-           critic: torch.nn.Module | None = None, critic_optimizer: torch.optim.Optimizer | None = None,
+def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cfg: UpdateConfig,
+           critic: nn.Module | None = None, critic_optimizer: torch.optim.Optimizer | None = None,
            generator: torch.Generator | None = None, autocast_dtype: torch.dtype | None = None,
            shard: tuple[int, int] | None = None) -> dict[str, float]:
-    """One pass of PPO/GRPO optimisation over `batch` (section 2.2); returns metrics as floats.
+    """One pass of PPO/GRPO optimisation over `batch` (section 2.2); -> metrics as floats.
 
-    The module docstring's loss; with `critic` (PPO: critic(ids, attn) -> values [B, T]) also the clipped value
-    loss, on its own optimizer. Rows are shuffled with `generator` (CPU) into mini-batches of cfg.mini_batch rows,
-    one optimizer step each, accumulated over micro-batches of cfg.micro_batch rows, each loss divided by the
-    whole mini-batch's count (deviation 2); gradients clipped at cfg.max_grad_norm;
-    a non-finite loss or grad norm skips the step, counted in `train/skipped_nonfinite`.
-    `batch.old_logp = None`: fresh rollouts of this very policy that fit one mini-batch, whose ratio is exactly 1:
-    the old log-probs are the forward's own, detached (TRL's GRPO does the same with one step per batch).
-    `shard=(rank, world)` (deviation 8): the same `batch` and `generator` on every rank, the policy as
-    DDP(TokenLogprobs(model)), the critic as DDP(critic); the divisor is the count / world (DDP averages).
+    Rows are shuffled with `generator` (CPU) into mini-batches of cfg.mini_batch rows, one optimizer step
+    each, accumulated over micro-batches of cfg.micro_batch rows, each loss divided by the whole mini-batch's
+    count (so micro-batching changes nothing); gradients clipped at cfg.max_grad_norm. A non-finite loss or
+    grad norm skips the step (`train/skipped_nonfinite`): one host sync per step. With `critic` (PPO) the
+    value loss trains it on its own optimizer. `batch.old_logp = None`: fresh rollouts of this very policy
+    that fit one mini-batch, whose ratio is exactly 1: the forward's own log-probs, detached, are the old
+    ones.
+    `shard=(rank, world)` (torchrun): the same batch and generator on every rank, the policy as
+    DDP(TokenLogprobs(model)), the critic as DDP(critic); each rank trains rows rank, rank + world, ...
     """
     if critic is not None and (critic_optimizer is None or batch.returns is None or batch.old_values is None):
         raise ValueError("a critic needs a critic_optimizer, batch.returns and batch.old_values")
@@ -486,19 +274,20 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
                          "without DDP the ranks' gradients are never averaged")
     device = next(policy.parameters()).device
     batch = batch.to(device)
-    autocast = lambda: torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None)  # noqa
+    autocast = lambda: torch.autocast(device.type, dtype=autocast_dtype,  # noqa: E731
+                                      enabled=autocast_dtype is not None)
     has_ref = batch.ref_logp is not None
     if batch.old_logp is None and len(batch) > cfg.mini_batch:
-        raise ValueError("without old_logp the batch must fit one mini-batch (one optimizer step): after the first "
-                         "step the updated policy is no longer the rollout policy")
+        raise ValueError("without old_logp the batch must fit one mini-batch (one optimizer step): after the "
+                         "first step the updated policy is no longer the rollout policy")
     perm = torch.randperm(len(batch), generator=generator).to(device)
     optimizers = [optimizer] + ([critic_optimizer] if critic is not None else [])
     for o in optimizers:  # each step starts from zero gradients (and after each step they are zeroed)
         o.zero_grad(set_to_none=True)
 
     zero = lambda: torch.zeros((), device=device)  # noqa: E731
-    # totals over the steps actually taken: token sums of the token metrics, per-step sums of PER_STEP
-    # pg_clipfrac_dual only with dual clip on: without it the metrics are the paper's, as before
+    # totals over the steps taken: token sums of the token metrics, per-step sums of PER_STEP;
+    # pg_clipfrac_dual only with dual clip on (without it the metrics are the paper's)
     keys = ["tokens", *TOKEN_METRICS, *(("pg_clipfrac_dual",) if cfg.dual_clip else ()), *PER_STEP]
     totals = {k: zero() for k in keys}
     steps_taken = skipped = 0
@@ -508,21 +297,22 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
         m = mb.loss_mask > 0
         tokens = m.sum().float()
         count = tokens if cfg.agg == "token-mean" else (m.sum(dim=1) > 0).sum().float()
-        denom, token_denom = count.clamp(min=1) / world, tokens.clamp(min=1) / world  # the global counts (DDP averages)
+        # the global counts (DDP averages the ranks' gradients)
+        denom, token_denom = count.clamp(min=1) / world, tokens.clamp(min=1) / world
         step = {k: zero() for k in keys}
         finite = torch.ones((), dtype=torch.bool, device=device)
         plan = micro_batches(len(mb), cfg.micro_batch, rank, world)
         for j, rows in enumerate(plan):
             # a rank out of rows trains row 0 with an all-zero mask: gradient exactly 0, but it joins the
             # all-reduce (DDP all-reduces at every backward outside no_sync; the ranks must match)
-            mi = mb.select(rows) if rows else dataclasses.replace(mb.select([0]), loss_mask=mb.loss_mask[:1] * 0)
+            mi = mb.select(rows) if rows else \
+                dataclasses.replace(mb.select([0]), loss_mask=mb.loss_mask[:1] * 0)
             n_tok = (mi.loss_mask > 0).sum().float()
             # gradient accumulation: DDP all-reduces only at the mini-batch's last backward
             with no_sync(policy, critic) if j < len(plan) - 1 else contextlib.nullcontext():
                 with autocast():
-                    logp, ent = token_logprobs(policy, mi.input_ids, mi.attention_mask, cfg.temperature, cfg.fused,
-                                               cfg.chunk_size, prefix_len=mi.prefix_len)
-                # no old_logp: the batch is one optimizer step on fresh rollouts, whose policy is this one
+                    logp, ent = token_logprobs(policy, mi.input_ids, mi.attention_mask, cfg.temperature,
+                                               cfg.fused, cfg.chunk_size, prefix_len=mi.prefix_len)
                 old_logp = mi.old_logp if mi.old_logp is not None else logp.detach()
                 pg, pm = policy_loss(logp, old_logp, mi.advantages, mi.loss_mask, cfg.clip_low, cfg.clip_high,
                                      cfg.agg, denom=denom, dual_clip=cfg.dual_clip)
@@ -584,5 +374,6 @@ def update(policy: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: Bat
     n_tokens = host["tokens"] if host["tokens"] > 0 else math.nan
     absent = (set() if has_ref else {"kl_to_init", "kl_loss"}) | \
         (set() if critic is not None else {"value_loss", "vf_clipfrac", "critic_grad_norm"})
-    return {**{f"train/{k}": host[k] / (n_steps if k in PER_STEP else n_tokens) for k in keys[1:] if k not in absent},
+    return {**{f"train/{k}": host[k] / (n_steps if k in PER_STEP else n_tokens) for k in keys[1:]
+               if k not in absent},
             "train/skipped_nonfinite": float(skipped), "train/optimizer_steps": float(steps_taken)}

@@ -27,13 +27,13 @@ MICRO = dict(envs=["bandit"], warmup=dict(episodes_per_env=8, steps=2, batch_tok
 def small_path(tmp_path_factory) -> str:
     import torch
     torch.set_num_threads(1)
-    from prior import ensure_tiny
+    from tools.prior import ensure_tiny
     return ensure_tiny(str(tmp_path_factory.getbasetemp() / "tiny-cache"), progress=False, **SMALL)
 
 
 @pytest.fixture(scope="session")
 def small(small_path):
-    from policy import load_policy
+    from engine.models import load_policy
     model, tok, _ = load_policy(small_path)
     return model, tok
 
@@ -42,7 +42,7 @@ def small(small_path):
 def bandit_tiny(tmp_path_factory) -> str:
     import torch
     torch.set_num_threads(1)
-    from prior import ensure_tiny
+    from tools.prior import ensure_tiny
     return ensure_tiny(str(tmp_path_factory.mktemp("tiny")), progress=False,
                        warmup=dict(steps=60, episodes_per_env=64),
                        model_cfg=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2),

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from advantages import (bi_level_gae, broadcast_to_tokens, gae, grpo_advantages,  # noqa: E402
-                        kl_penalized_rewards, place_reward_on_last_token, whiten)
+from advantages import (broadcast_to_tokens, gae, grpo_advantages, kl_penalized_rewards,  # noqa: E402
+                        place_reward_on_last_token, whiten)
+from extras.turn_credit import at_positions, bi_level_gae  # noqa: E402
 
 torch.set_num_threads(1)
 

@@ -21,12 +21,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import bench  # noqa: E402
-import prior  # noqa: E402
+from tools import bench  # noqa: E402
+from tools import prior  # noqa: E402
 import eval as eval_py  # noqa: E402
 import sft_baseline  # noqa: E402
 import train  # noqa: E402
-import webshop  # noqa: E402
+from extras import webshop  # noqa: E402
 
 SCRIPTS = {"train": train, "eval": eval_py, "sft": sft_baseline, "webshop": webshop, "bench": bench,
            "prior": prior}
@@ -99,7 +99,20 @@ CASES = [
     ("train", ["--webshop-data", "TMP", "--env", "sokoban"], "--webshop-data", None),
     ("train", ["--hindsight-imitation", "2", "--env", "bandit"], "--hindsight-imitation 2: only for sokoban", None),
     ("train", ["--hindsight-imitation", "-1"], "--hindsight-imitation -1", None),
-    ("train", ["--hindsight-imitation", "0", "--imitation-demos", "best"], "--imitation-demos best: the demos", None),
+    ("train", ["--hindsight-imitation", "0", "--imitation-demos", "best"], "--imitation-demos best: only with", None),
+    ("train", ["--high-level-gamma", "0.9"], "--high-level-gamma 0.9: only with --bi-level-gae", None),
+    ("train", ["--gigpo-weight", "2", "--algo", "ppo"], "--gigpo-weight 2.0: only with --algo gigpo", None),
+    ("train", ["--gigpo-weight", "-1", "--algo", "gigpo"], "--gigpo-weight -1.0: must be >= 0", None),
+    ("train", ["--gigpo-gamma", "0", "--algo", "gigpo"], "--gigpo-gamma 0.0: must be in (0, 1]", None),
+    ("train", ["--gigpo-gamma", "1.5", "--algo", "gigpo"], "--gigpo-gamma 1.5: must be in (0, 1]", None),
+    ("train", ["--gigpo-mode", "median", "--algo", "gigpo"], "--gigpo-mode", None),
+    ("train", ["--micro-batch", "64", "--mini-batch", "32"], "--micro-batch 64: larger than --mini-batch 32", None),
+    ("train", ["--resume", "RUN", "--steps", "1"], "--steps 1: the run already has 2 iterations", "untouched"),
+    ("train", ["--resume", "MODEL"], "a model folder, not a run", None),
+    ("train", ["--model", "TMP/empty", "--out", "TMP/r"], "no config.json in this folder", None),
+    ("train", ["--model", "RUN/ckpt-000002", "--out", "TMP/r"], "a checkpoint: pass its policy/ folder", "untouched"),
+    ("eval", ["--envs", ""], "--envs '': names no env", None),
+    ("eval", ["--policy", "TMP/empty"], "no config.json in this folder", None),
     ("train", ["--resume", "RUN", "--env", "sokoban"], "--env", "untouched"),
     ("train", ["--resume", "RUN", "--overwrite"], "--overwrite", "untouched"),
     ("train", ["--resume", "TMP/none"], "--resume", None),
@@ -129,7 +142,8 @@ CASES = [
     ("sft", ["--adam-beta2", "1.0"], "--adam-beta2 1.0", None),
     ("sft", ["--epochs", "0"], "--epochs 0", None),
     ("sft", ["--expert-actions", "9"], "--expert-actions 9", None),
-    ("sft", ["--out", "RUN"], "choose another --out, or replace it with --overwrite", "untouched"),
+    ("sft", ["--out", "RUN"], "continue it with --resume", "untouched"),
+    ("sft", ["--resume", "RUN"], "a run of another script", None),
     ("webshop", ["--play", "-3"], "--play -3", None),
     ("webshop", ["--write-catalogue", "TMP/afile"], "not a folder", None),
     ("webshop", ["--play", "1", "--num-products", "0"], "--num-products", None),
@@ -143,9 +157,6 @@ CASES = [
     ("bench", ["rollout", "--repeats", "0"], "--repeats 0", None),
     ("bench", ["gpu", "--gpu-filter", "2"], "--gpu-filter 2.0", None),
     ("bench", ["--device", "tpu"], "--device", None),
-    ("bench", ["noise", "--noise-batches", "1"], "--noise-batches 1", None),
-    ("bench", ["noise", "--noise-train-args", "--prompts 0"], "--noise-train-args '--prompts 0': --prompts 0", None),
-    ("bench", ["noise", "--noise-train-args", "--nosuch 1"], "--noise-train-args: error: unrecognized", None),
 ]
 
 
@@ -156,6 +167,7 @@ def test_bad_input_is_one_line_and_loses_nothing(script, args, needle, damage, b
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)  # a default run folder (runs/...) would land here, never in the repository
     (tmp_path / "afile").write_text("not a folder")
+    (tmp_path / "empty").mkdir()
     broken = tmp_path / "broken-model"
     shutil.copytree(bandit_tiny, broken)
     weights = broken / "model.safetensors"
@@ -203,7 +215,7 @@ def run_script(args, **kw):
 def test_entry_scripts_exit_2_with_one_line_and_webshop_without_arguments_prints_help(tmp_path):
     p = run_script([str(ROOT / "eval.py"), "--prompts", "0"], cwd=tmp_path)
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "--prompts 0" in p.stderr
-    p = run_script([str(ROOT / "webshop.py")], cwd=tmp_path)
+    p = run_script([str(ROOT / "extras" / "webshop.py")], cwd=tmp_path)
     assert p.returncode == 0 and "--write-catalogue" in p.stdout
 
 

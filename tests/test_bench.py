@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import bench  # noqa: E402
+from tools import bench  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -33,29 +33,3 @@ def test_gpu_section_runs_on_a_cpu_with_small_shapes(capsys):
     assert graphs["skipped"] == capped["skipped"] == "needs CUDA"
     assert ppo["rollout_s"] > 0 and ppo["update_s"] > 0 and ppo["iteration_s"] >= ppo["rollout_s"]
     assert ppo["train_rows"] == 4 and ppo["response_length"] > 0.8 * 24 and 0 < ppo["peak_gib"] < 24
-
-
-def test_signal_noise_matches_the_pairwise_definition():
-    """|E g|^2 is the mean dot product of two different batches' gradients, tr Cov the sample variance, the cosine
-    the mean pairwise cosine: bench._signal_noise against loops over the pairs."""
-    g = torch.randn(5, 7, generator=torch.Generator().manual_seed(0), dtype=torch.float64) + 1.0  # [K, D]
-    pairs = [(i, j) for i in range(5) for j in range(5) if i != j]
-    r = bench._signal_noise(g)
-    assert abs(r["signal"] - sum(float(g[i] @ g[j]) for i, j in pairs) / len(pairs)) < 1e-9
-    mean = g.mean(0)
-    assert abs(r["noise"] - sum(float((g[k] - mean) @ (g[k] - mean)) for k in range(5)) / 4) < 1e-9
-    cos = sum(float(g[i] @ g[j] / (g[i].norm() * g[j].norm())) for i, j in pairs) / len(pairs)
-    assert abs(r["cosine"] - cos) < 1e-9
-    assert abs(r["batches_needed"] - r["noise"] / r["signal"]) < 1e-9
-    same = bench._signal_noise(torch.ones(3, 4))  # no noise: the signal is the gradient itself
-    assert same["noise"] == 0 and same["signal"] == 4 and same["cosine"] == 1
-
-
-def test_noise_section_takes_one_gradient_per_batch(bandit_tiny):
-    """`bench.py noise` builds K batches through train.py's own rollout, filter and prepare_batch and keeps one
-    gradient of every trainable parameter per batch, real and with random signs."""
-    res = bench.main(["noise", "--device", "cpu", "--noise-batches", "3", "--noise-train-args",
-                      f"--env bandit --model {bandit_tiny} --prompts 4 --rollouts 4 --filter 0.5"])["noise"]
-    assert res["rows"] == 8                              # 2 of 4 groups of 4 kept, one turn each
-    for name in ("real", "random_signs"):
-        assert res[name]["noise"] > 0 and abs(res[name]["cosine"]) <= 1

@@ -13,7 +13,7 @@ import torch
 import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from monitor import collapse_metrics, cross_scores, think_text  # noqa: E402
+from extras.collapse import collapse_metrics, cross_scores, think_text  # noqa: E402
 
 torch.set_num_threads(1)
 V, THINK = 64, 5  # vocabulary; the token every prompt ends with (RAGEN's prompts end with "<think>")

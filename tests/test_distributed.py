@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import distributed as dist  # noqa: E402
+from engine import distributed as dist  # noqa: E402
 from starpo import micro_batches  # noqa: E402
 
 ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MASTER_ADDR": "127.0.0.1"}
@@ -66,7 +66,7 @@ def test_init_on_cuda_takes_the_local_rank_device_and_nccl(monkeypatch):
 
 def tiny_models(seed: int):
     from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Model
-    from policy import Critic
+    from starpo import Critic
     cfg = Qwen2Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)
     torch.manual_seed(seed)
@@ -78,7 +78,8 @@ def tiny_models(seed: int):
 
 def fixed_batch(policy, B=7, T=14):
     """Rows of different lengths and sampled-token counts; old/ref log-probs off the current policy (ratios != 1)."""
-    from starpo import Batch, token_logprobs
+    from engine.logprobs import token_logprobs
+    from starpo import Batch
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(4, 40, (B, T), generator=g)
     lengths = torch.tensor([14, 9, 12, 6, 14, 11, 8])[:B]
@@ -122,7 +123,8 @@ def check_update(results, name, ucfg_kw, with_critic):
     each gradient entry by its own magnitude, so entries that are float noise around 0 (such as the key-projection
     biases, whose exact gradient is 0: softmax ignores a shift shared by all keys) differ by up to a few 1e-4 of
     the step; its bound is looser."""
-    from starpo import TokenLogprobs, UpdateConfig, make_optimizer, update
+    from engine.logprobs import TokenLogprobs
+    from starpo import UpdateConfig, make_optimizer, update
     for opt_name, make_opt, rel_tol in (("sgd", lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 1e-5),
                                         ("adamw", lambda m: make_optimizer(m, 1e-3), 1e-2)):
         policy, critic = tiny_models(seed=0)
@@ -182,7 +184,7 @@ def worker(rank: int, port: int, out: str):
             next(policy.parameters())[0, 0] += rank
         with pytest.raises(RuntimeError, match="weights differ"):
             dist.assert_in_sync(policy)
-        from starpo import token_logprobs
+        from engine.logprobs import token_logprobs
         ids = torch.ones(1, 4, dtype=torch.long)
         with pytest.raises(ValueError, match="TokenLogprobs"):
             token_logprobs(dist.ddp(policy, torch.device("cpu")), ids, ids)
@@ -225,7 +227,7 @@ def rows(path):
 
 
 def test_torchrun_train_same_weights_on_both_ranks_and_resume(bandit_tiny, tmp_path):
-    from policy import load_critic, load_policy
+    from engine.models import load_critic, load_policy
     # PPO (a DDP critic too), a 1-turn window (several rows per trajectory, uneven shares), mini-batches of 5
     # --device cpu: gloo, as the file says; on a one-GPU machine two NCCL ranks would share (and fail on) cuda:0
     common = ["--env", "bandit", "--no-think", "--model", bandit_tiny, "--device", "cpu",

@@ -72,7 +72,7 @@ def test_the_example_env_trains_for_a_few_iterations(corridor, tmp_path):
     """A small tiny policy warmed up on the new env, then train.py and eval.py on it."""
     import eval as eval_py
     import train
-    from prior import ensure_tiny
+    from tools.prior import ensure_tiny
     torch.set_num_threads(1)
     model = ensure_tiny(str(tmp_path / "cache"), progress=False, envs=[corridor],
                         warmup=dict(steps=40, episodes_per_env=64),

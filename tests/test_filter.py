@@ -12,6 +12,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from extras.filter_rules import select_groups_by_rule  # noqa: E402
 from filter import select_groups  # noqa: E402
 
 torch.set_num_threads(1)
@@ -156,7 +157,7 @@ def rewards_for(kind, seed):
 def test_strategies_match_ragen_transcription(kind, metric, include_zero, largest, strategy, mode, value):
     for seed in range(3):
         rewards = rewards_for(kind, seed)
-        mask, stats = select_groups(rewards, keep=value, largest=largest, strategy=strategy,
+        mask, stats = select_groups_by_rule(rewards, keep=value, largest=largest, strategy=strategy,
                                     include_zero=include_zero, top_p_mode=mode, metric=metric)
         want = ragen_select(rewards, value, largest, strategy, include_zero, mode, 0.01, metric)
         assert stats["kept_groups"] == want == torch.nonzero(mask).flatten().tolist(), seed
@@ -165,11 +166,16 @@ def test_strategies_match_ragen_transcription(kind, metric, include_zero, larges
         assert stats["dropped_groups"] == [g for g in range(16) if g not in want]
 
 
-def test_default_arguments_are_todays_rule():
+def test_default_arguments_are_the_papers_rule():
+    """With its defaults, extras/filter_rules.py is the paper's filter.select_groups, stats included."""
+    for kind in ("binary", "continuous"):
+        for seed in range(3):
+            rewards = rewards_for(kind, seed)
+            for keep, largest in ((0.25, True), (0.5, False), (1.0, True)):
+                a, b = select_groups(rewards, keep, largest), select_groups_by_rule(rewards, keep, largest)
+                assert torch.equal(a[0], b[0]) and a[1] == b[1]
     rewards = rewards_for("binary", 0)
-    assert select_groups(rewards, 0.25)[1] == select_groups(rewards, 0.25, True, "top_k", True, "linear", 0.01,
-                                                           "reward_std")[1]
-    mask, stats = select_groups(rewards)
+    mask, stats = select_groups_by_rule(rewards)
     assert stats["kept_groups"] == slow_select(rewards, 0.25, True)[0]
     assert stats["empty_selection"] is False
 
@@ -177,18 +183,18 @@ def test_default_arguments_are_todays_rule():
 def test_linear_top_p_by_hand():
     # stds 2.12, 1.41, 0.71, 0 (G = 4, N = 2): total 4.24; top_p 0.5 -> threshold 2.11: the first group suffices
     rewards = torch.tensor([[0.0, 3.0], [0.0, 2.0], [0.0, 1.0], [5.0, 5.0]])
-    assert select_groups(rewards, 0.5, strategy="top_p")[1]["kept_groups"] == [0]
+    assert select_groups_by_rule(rewards, 0.5, strategy="top_p")[1]["kept_groups"] == [0]
     # 0.8 -> threshold 3.38: groups 0 and 1 (3.54)
-    assert select_groups(rewards, 0.8, strategy="top_p")[1]["kept_groups"] == [0, 1]
+    assert select_groups_by_rule(rewards, 0.8, strategy="top_p")[1]["kept_groups"] == [0, 1]
     # 0.999 -> threshold 4.23: all three non-zero groups (4.24), never the zero one
-    assert select_groups(rewards, 0.999, strategy="top_p")[1]["kept_groups"] == [0, 1, 2]
+    assert select_groups_by_rule(rewards, 0.999, strategy="top_p")[1]["kept_groups"] == [0, 1, 2]
     # scores <= 0 stop the walk: mean rewards -1, -2, 3 with keep 0.9 -> threshold -0.01, reached at once: empty
     neg = torch.tensor([[-1.0, -1.0], [-2.0, -2.0], [3.0, 3.0]])
-    mask, stats = select_groups(neg, 0.9, strategy="top_p", metric="reward_mean")
+    mask, stats = select_groups_by_rule(neg, 0.9, strategy="top_p", metric="reward_mean")
     assert not mask.any() and stats["empty_selection"] is True and stats["filter_kept"] == 0
     assert stats["chosen_in_group_std"] == 0.0 and stats["chosen_score"] == 0.0
     # smallest-first linear: the first (smallest) score is <= 0, so the walk stops before the threshold: empty
-    assert select_groups(rewards, 0.5, largest=False, strategy="top_p")[1]["empty_selection"] is True
+    assert select_groups_by_rule(rewards, 0.5, largest=False, strategy="top_p")[1]["empty_selection"] is True
 
 
 def test_empty_selections_are_reported_never_raised():
@@ -196,30 +202,30 @@ def test_empty_selections_are_reported_never_raised():
     for kw in ({"strategy": "top_p", "keep": 0.9}, {"strategy": "min_p", "keep": 0.5, "include_zero": False},
                {"strategy": "top_k", "keep": 0.25, "include_zero": False},
                {"strategy": "top_p", "keep": 0.9, "top_p_mode": "softmax", "include_zero": False}):
-        mask, stats = select_groups(flat, **kw)
+        mask, stats = select_groups_by_rule(flat, **kw)
         assert mask.dtype == torch.bool and not mask.any(), kw
         assert stats["empty_selection"] is True and stats["filter_kept"] == 0 and stats["kept_groups"] == []
         assert stats["all_zero_std"] is True and stats["zero_score_groups"] == 5
     # include_zero (the default) and top_k: still at least one group, as today
-    assert select_groups(flat, keep=0.25)[1]["kept_groups"] == [0]
+    assert select_groups_by_rule(flat, keep=0.25)[1]["kept_groups"] == [0]
 
 
 def test_include_zero_off_drops_zero_groups_before_ranking():
     rewards = torch.tensor([[0.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 2.0]])  # stds 0, .71, 0, 1.41
-    assert select_groups(rewards, keep=1.0)[0].all()
-    assert select_groups(rewards, keep=1.0, include_zero=False)[1]["kept_groups"] == [1, 3]
+    assert select_groups_by_rule(rewards, keep=1.0)[0].all()
+    assert select_groups_by_rule(rewards, keep=1.0, include_zero=False)[1]["kept_groups"] == [1, 3]
     # smallest first without zero groups: the smallest non-zero std
-    assert select_groups(rewards, keep=0.25, largest=False, include_zero=False)[1]["kept_groups"] == [1]
-    assert select_groups(rewards, keep=0.25, largest=False)[1]["kept_groups"] == [0]
+    assert select_groups_by_rule(rewards, keep=0.25, largest=False, include_zero=False)[1]["kept_groups"] == [1]
+    assert select_groups_by_rule(rewards, keep=0.25, largest=False)[1]["kept_groups"] == [0]
 
 
 def test_min_p_and_top_k_abs_by_hand():
     rewards = torch.tensor([[0.0, 4.0], [0.0, 2.0], [0.0, 1.0], [0.0, 3.0]])  # stds 2.83, 1.41, 0.71, 2.12
-    assert select_groups(rewards, 0.5, strategy="min_p")[1]["kept_groups"] == [0, 1, 3]  # >= 1.41
-    assert select_groups(rewards, 1.0, strategy="min_p")[1]["kept_groups"] == [0]
-    assert select_groups(rewards, 2, strategy="top_k_abs")[1]["kept_groups"] == [0, 3]
-    assert select_groups(rewards, 9, strategy="top_k_abs")[0].all()  # more than G: all of them
-    stats = select_groups(rewards, 2, strategy="top_k_abs", metric="reward_sum")[1]
+    assert select_groups_by_rule(rewards, 0.5, strategy="min_p")[1]["kept_groups"] == [0, 1, 3]  # >= 1.41
+    assert select_groups_by_rule(rewards, 1.0, strategy="min_p")[1]["kept_groups"] == [0]
+    assert select_groups_by_rule(rewards, 2, strategy="top_k_abs")[1]["kept_groups"] == [0, 3]
+    assert select_groups_by_rule(rewards, 9, strategy="top_k_abs")[0].all()  # more than G: all of them
+    stats = select_groups_by_rule(rewards, 2, strategy="top_k_abs", metric="reward_sum")[1]
     assert stats["kept_groups"] == [0, 3] and stats["chosen_score"] == pytest.approx(3.5)
 
 
@@ -227,8 +233,8 @@ def test_softmax_top_p_by_hand():
     # scores 0, ln 3 (means): softmax 1/4, 3/4 -> keep 0.7 needs only group 1, keep 0.8 both
     rewards = torch.tensor([[0.0, 0.0], [math.log(3), math.log(3)]])
     kw = dict(strategy="top_p", top_p_mode="softmax", metric="reward_mean")
-    assert select_groups(rewards, 0.7, **kw)[1]["kept_groups"] == [1]
-    assert select_groups(rewards, 0.8, **kw)[1]["kept_groups"] == [0, 1]
+    assert select_groups_by_rule(rewards, 0.7, **kw)[1]["kept_groups"] == [1]
+    assert select_groups_by_rule(rewards, 0.8, **kw)[1]["kept_groups"] == [0, 1]
 
 
 @pytest.mark.parametrize("kw,match", [
@@ -244,5 +250,5 @@ def test_softmax_top_p_by_hand():
 ])
 def test_bad_settings_raise_one_line(kw, match):
     with pytest.raises(ValueError, match=match) as err:
-        select_groups(torch.rand(4, 3), **kw)
+        select_groups_by_rule(torch.rand(4, 3), **kw)
     assert "\n" not in str(err.value)

@@ -1,4 +1,4 @@
-"""Tests for policy.py: device choice, the Hugging Face loading path on a small Qwen2 model saved with
+"""Tests for engine/models.py: device choice, the Hugging Face loading path on a small Qwen2 model saved with
 save_pretrained, the shipped prior's loading and its errors, and the PPO critic.
 
 Run from the repository root:  python -m pytest -q tests/test_policy.py   (about 20 s on one core)
@@ -14,9 +14,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import policy  # noqa: E402
-import prior  # noqa: E402
+from engine import models as policy  # noqa: E402
+from tools import prior  # noqa: E402
 import rollout as R  # noqa: E402
+import starpo  # noqa: E402
 
 torch.set_num_threads(1)  # on 2-core machines, 2 threads made small-model forward+backward erratic and slower
 
@@ -158,7 +159,7 @@ def test_critic_shape_alignment_and_round_trip(small, small_path, tmp_path):
 
 def test_pad_segments():
     segs = [R.Segment([5, 6, 7], [0, 1, 1]), R.Segment([8], [0])]
-    ids, attn, mask = policy.pad_segments(segs, pad_id=1)
+    ids, attn, mask = starpo.pad_segments(segs, pad_id=1)
     assert ids.tolist() == [[5, 6, 7], [8, 1, 1]]
     assert attn.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert mask.tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]] and mask.dtype == torch.float32

@@ -16,9 +16,10 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import policy  # noqa: E402
-import prior  # noqa: E402
+from engine import models as policy  # noqa: E402
+from tools import prior  # noqa: E402
 import rollout as R  # noqa: E402
+import starpo  # noqa: E402
 from conftest import MICRO  # noqa: E402
 
 torch.set_num_threads(1)
@@ -43,7 +44,7 @@ def test_the_shipped_prior_is_the_tiny_policy_and_answers_in_format():
 
 def test_a_missing_prior_says_how_to_get_it_back(monkeypatch, tmp_path):
     monkeypatch.setattr(policy, "PRIOR_DIR", tmp_path / "prior")
-    with pytest.raises(ValueError, match="shipped prior is missing.*python prior.py"):
+    with pytest.raises(ValueError, match="shipped prior is missing.*python tools/prior.py"):
         policy.load_policy("tiny")
 
 
@@ -51,13 +52,13 @@ def test_the_rebuild_command_makes_a_working_prior(tmp_path):
     """`python prior.py` is the recipe: here with a smaller corpus and fewer steps (~1 min). A rebuild on another
     CPU rounds differently, so it is checked as a prior (format rate on every env), not bit for bit."""
     out = tmp_path / "rebuilt"
-    p = subprocess.run([sys.executable, str(ROOT / "prior.py"), "--out", str(out), "--steps", "40",
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "prior.py"), "--out", str(out), "--steps", "40",
                         "--episodes-per-env", "48", "--format-prompts", "16"], capture_output=True, text=True,
                        timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert p.returncode == 0, p.stderr[-2000:]
     rates = json.loads(p.stdout.split("format rate per env: ")[1])
     assert set(rates) >= {"bandit", "sokoban", "frozenlake"} and min(rates.values()) > 0.8, rates
-    again = subprocess.run([sys.executable, str(ROOT / "prior.py"), "--out", str(out)], capture_output=True,
+    again = subprocess.run([sys.executable, str(ROOT / "tools" / "prior.py"), "--out", str(out)], capture_output=True,
                            text=True, timeout=60)
     assert again.returncode == 2 and "--out" in again.stderr and "--overwrite" in again.stderr  # never overwritten
     assert len(again.stderr.strip().splitlines()) == 1
@@ -66,7 +67,7 @@ def test_the_rebuild_command_makes_a_working_prior(tmp_path):
 @pytest.mark.slow
 def test_the_full_rebuild_is_a_prior_like_the_shipped_one(tmp_path):
     """The shipped recipe, whole (~3 min): every env answers in format in >= 95% of turns, as prior/ does."""
-    p = subprocess.run([sys.executable, str(ROOT / "prior.py"), "--out", str(tmp_path / "p")], capture_output=True,
+    p = subprocess.run([sys.executable, str(ROOT / "tools" / "prior.py"), "--out", str(tmp_path / "p")], capture_output=True,
                        text=True, timeout=1200)
     assert p.returncode == 0, p.stderr[-2000:]
     rates = json.loads(p.stdout.split("format rate per env: ")[1])
@@ -135,7 +136,7 @@ def test_tiny_build_is_cached_deterministic_and_keyed(tmp_path, monkeypatch):
 
 
 def test_warm_up_also_models_the_observations(tmp_path):
-    """policy.py deviation 2: with obs_weight the warm-up also lowers the loss on the boards, not only the replies."""
+    """tools/prior.py (the loss on the boards too): with obs_weight the warm-up also lowers the loss on the boards, not only the replies."""
     cfg = dict(envs=["sokoban"], warmup=dict(episodes_per_env=16, steps=30, batch_tokens=1024, lr=2e-2),
                model_cfg=MICRO["model_cfg"])
     nll = {}
@@ -146,7 +147,7 @@ def test_warm_up_also_models_the_observations(tmp_path):
         segs = [s for t in R.rollout("sokoban", list(range(5000, 5008)), list(range(8)), R.RolloutConfig(),
                                      tokenizer=tok, agent=R.random_agent(random.Random(0)))
                 for s in t.segments]
-        ids, attn, mask = policy.pad_segments(segs, tok.pad_token_id)
+        ids, attn, mask = starpo.pad_segments(segs, tok.pad_token_id)
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         tok_nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
@@ -167,7 +168,9 @@ def test_tiny_builds_and_loads_offline(tmp_path):
         socket.socket.connect = no_network
         socket.create_connection = no_network
         sys.path.insert(0, {str(ROOT)!r})
-        import torch, policy, prior
+        import torch
+        from engine import models as policy
+        from tools import prior
         torch.set_num_threads(1)
         tiny = json.loads({json.dumps(json.dumps(MICRO))})
         m1, tok, p1 = policy.load_policy(prior.ensure_tiny({str(tmp_path)!r}, progress=False, **tiny))

@@ -16,9 +16,9 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rollout as R  # noqa: E402
-import sampler as S  # noqa: E402
+from engine import sampler as S  # noqa: E402
 from envs import make_env  # noqa: E402
-from starpo import cache_keyword, shared_prefix_len  # noqa: E402
+from engine.logprobs import cache_keyword, shared_prefix_len  # noqa: E402
 from test_rollout import SEEDS, chaotic_model, runs, sample  # noqa: E402
 
 torch.set_num_threads(1)
@@ -148,7 +148,7 @@ def test_host_checks_every_k_steps_gives_the_reference_under_greedy(small, monke
     trajectories equal the re-prefill reference path's (float64: rounding cannot flip a token)."""
     tok = small[1]
     model = copy.deepcopy(chaotic_model(tok, 1)).double()
-    monkeypatch.setattr(R, "Engine", functools.partial(S.Engine, sync_every=sync_every))
+    monkeypatch.setattr(S, "Engine", functools.partial(S.Engine, sync_every=sync_every))
     seeds = [s for s in SEEDS[:4] for _ in range(3)]
     out = {}
     for kv in (False, True):

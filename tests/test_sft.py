@@ -18,9 +18,9 @@ import transformers
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval as eval_py  # noqa: E402
-import lora  # noqa: E402
-import policy  # noqa: E402
-import prior  # noqa: E402
+from engine import lora  # noqa: E402
+from engine import models as policy  # noqa: E402
+from tools import prior  # noqa: E402
 import sft_baseline as sft  # noqa: E402
 from envs import EVAL_SEEDS, make_env  # noqa: E402
 from rollout import (RolloutConfig, expert_agent, header_text, prefill, rollout, turn_close,  # noqa: E402

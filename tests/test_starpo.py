@@ -14,8 +14,9 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import starpo  # noqa: E402
-from starpo import (Batch, UpdateConfig, aggregate, fused_logprobs_entropy, kl_penalty,  # noqa: E402
-                    naive_logprobs_entropy, policy_loss, token_logprobs, update, value_loss)
+from engine import logprobs  # noqa: E402
+from engine.logprobs import fused_logprobs_entropy, naive_logprobs_entropy, token_logprobs  # noqa: E402
+from starpo import Batch, UpdateConfig, aggregate, kl_penalty, policy_loss, update, value_loss  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -186,7 +187,7 @@ def test_aggregate_denominator_override_makes_micro_batches_add_up():
 ])
 def test_fused_matches_naive_values_and_grads(with_bias, temperature, chunk, block, monkeypatch):
     if block is not None:
-        monkeypatch.setattr(starpo, "_BLOCK_ELEMENTS", block)
+        monkeypatch.setattr(logprobs, "_BLOCK_ELEMENTS", block)
     gen = torch.Generator().manual_seed(5)
     N, H, V = 300, 48, 32768
     hidden = torch.randn(N, H, generator=gen).requires_grad_()
@@ -239,10 +240,10 @@ def test_token_logprobs_alignment_and_fused_equals_naive_on_a_model():
 
 
 def test_shared_prefix_len_is_the_common_start_and_leaves_a_token():
-    assert starpo.shared_prefix_len([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
-    assert starpo.shared_prefix_len([[7, 8, 9], [7, 8, 9]]) == 2  # identical rows still keep 1 token after it
-    assert starpo.shared_prefix_len([[1, 2], [3, 2]]) == 0
-    assert starpo.shared_prefix_len([[5, 6, 7]]) == 2 and starpo.shared_prefix_len([]) == 0
+    assert logprobs.shared_prefix_len([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]]) == 2
+    assert logprobs.shared_prefix_len([[7, 8, 9], [7, 8, 9]]) == 2  # identical rows still keep 1 token after it
+    assert logprobs.shared_prefix_len([[1, 2], [3, 2]]) == 0
+    assert logprobs.shared_prefix_len([[5, 6, 7]]) == 2 and logprobs.shared_prefix_len([]) == 0
 
 
 def shared_prefix_batch(gen, B=4, P=9, T=16):
@@ -262,7 +263,7 @@ def test_shared_prefix_path_equals_the_plain_path_values_and_grads():
     gen = torch.Generator().manual_seed(8)
     B, P, T = 4, 9, 16
     ids, attn = shared_prefix_batch(gen, B, P, T)
-    assert starpo.shared_prefix_len(ids.tolist()) >= P
+    assert logprobs.shared_prefix_len(ids.tolist()) >= P
     w = torch.randn(B, T, generator=gen) * attn
     out = {}
     for pl in (0, P):

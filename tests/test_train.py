@@ -83,7 +83,7 @@ def test_resume_reproduces_an_uninterrupted_run(bandit_tiny, tmp_path, levers):
             if not k.startswith("time/"):
                 assert rb[k] == pytest.approx(v, rel=1e-6, abs=1e-9), (ra["step"], k)
     if levers:
-        from policy import load_policy
+        from engine.models import load_policy
         final, base = load_policy(str(tmp_path / "a" / "final"))[0], load_policy(bandit_tiny)[0]
         fw, bw = final.state_dict(), base.state_dict()
         assert fw.keys() == bw.keys()
@@ -120,13 +120,13 @@ def test_bad_flag_values_give_one_error_line(args, needle, tmp_path):
 
 
 def test_presets_and_explicit_flags():
-    import cli
+    from engine import cli
     cfg, explicit = cli.parse(train.Config, ["--preset", "starpo"], presets=train.PRESETS)
     assert (cfg.filter, cfg.kl_coef, cfg.clip_high) == (1.0, 0.001, 0.2)
     cfg, _ = cli.parse(train.Config, ["--preset", "starpo", "--clip-high", "0.3"], presets=train.PRESETS)
     assert cfg.clip_high == 0.3 and cfg.filter == 1.0
     cfg = train.derive(cli.parse(train.Config, [], presets=train.PRESETS)[0])
-    assert (cfg.filter, cfg.kl_coef, cfg.clip_low, cfg.clip_high, cfg.groups_kept) == (0.25, 0.0, 0.2, 0.28, 2)
+    assert (cfg.filter, cfg.kl_coef, cfg.clip_low, cfg.clip_high, cfg.groups) == (0.25, 0.0, 0.2, 0.28, 8)
     assert cfg.lr == train.MODEL_DEFAULTS["tiny"]["lr"] and cfg.micro_batch == 16
     assert train.derive(cli.parse(train.Config, ["--micro-batch", "2"])[0]).micro_batch == 2
     cfg = train.derive(cli.parse(train.Config, ["--model", "Qwen/Qwen2.5-0.5B-Instruct"])[0])
@@ -135,7 +135,7 @@ def test_presets_and_explicit_flags():
 
 def test_the_main_command_runs_the_papers_starpo_s_on_every_model():
     """No model has a rendering or batch of its own (issue 41): the paper's everywhere; only sizes differ."""
-    import cli
+    from engine import cli
     parse = lambda args: train.derive(cli.parse(train.Config, args, presets=train.PRESETS)[0])  # noqa: E731
     keys = ("think", "context_turns", "max_turns", "max_actions_per_turn", "max_actions", "prompts", "rollouts",
             "filter", "kl_coef", "clip_low", "clip_high", "format_penalty", "hindsight_imitation")
@@ -154,12 +154,12 @@ def test_the_main_command_runs_the_papers_starpo_s_on_every_model():
                                                      "rewards), clip 0.2/0.2 | bandit")
     gcsl = parse(["--hindsight-imitation", "3", "--no-think", "--max-actions-per-turn", "1"])
     assert "+ hindsight imitation x3 (GCSL, beyond the paper)" in train.describe(gcsl, "cpu")
-    assert train.method_name(parse(["--filter", "1.0"])) == "StarPO (modified)"
+    assert train.describe(parse(["--filter", "1.0"]), "cpu").startswith("StarPO (modified): GRPO, all 8 groups")
     assert parse(["--preset", "starpo", "--max-turns", "10"]).max_turns == 10
 
 
 def test_a_trained_model_folder_lends_its_rendering_unless_a_flag_is_typed(tmp_path, capsys):
-    import cli
+    from engine import cli
     (tmp_path / "train_config.json").write_text(json.dumps({"context_turns": 1, "think": False, "lr": 3.0,
                                                             "max_new_tokens": 60}))
     parse = lambda args: train.inherit_rendering(*cli.parse(train.Config, args))  # noqa: E731
@@ -188,7 +188,7 @@ def test_plot_writes_png(bandit_tiny, tmp_path):
 def test_paper_switches_in_config_and_help():
     """Each faithfulness switch: the preset's KL kind and placement, the group noise, the mask, the loss
     aggregation and the reply budget land in the config as the paper ran them, and --help names the paper's value."""
-    import cli
+    from engine import cli
     parse = lambda args: train.derive(cli.parse(train.Config, args, presets=train.PRESETS)[0])  # noqa
     ppo = parse(["--preset", "starpo", "--algo", "ppo"])
     assert (ppo.kl_coef, ppo.kl_kind, ppo.kl_in_reward, ppo.filter, ppo.clip_high) == (0.001, "k1", True, 1.0, 0.2)
@@ -205,13 +205,13 @@ def test_paper_switches_in_config_and_help():
     assert parse(["--online-k", "3"]).groups == 3 * d.prompts
     hub = lambda env: parse(["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--env", env]).max_new_tokens  # noqa: E731
     assert (d.max_new_tokens, hub("sokoban"), hub("bandit")) == (100, 400, 500)
-    assert train.group_samples("shared", 2, 3) == [0] * 6
-    assert train.group_samples("independent", 2, 3) == [0, 1, 2, 0, 1, 2]
     helptext = " ".join(train.cli.build_parser(train.Config, "").format_help().split())
     for needle in ("StarPO: 0.001", "RAGEN's `kl`", "apply_kl_penalty", "Online-k", "RAGEN's seeding",
                    "as the paper's runs did", "the paper's 1/|tau| form", "RAGEN's 400, 500 on bandit",
                    "the paper's runs: 1"):
         assert needle in helptext, needle
+    for action in train.cli.build_parser(train.Config, "")._actions:  # one default a flag, never "None"
+        assert (action.help or "").count("default:") <= 1 and "(default: None)" not in (action.help or "")
 
 
 def test_switches_change_what_they_say(bandit_tiny, tmp_path):
@@ -250,7 +250,7 @@ def test_ragens_later_options_run_and_log(bandit_tiny, tmp_path):
                 "time/collapse"} <= set(r)
         assert -1e-3 <= r["collapse/mi"] <= r["collapse/mi_upper_bound"] + 1e-9  # an estimate: rounding
         assert ("train/pg_clipfrac_dual" in r) != bool(r["train/skipped_empty_filter"])
-    from plot import plot_runs  # two more panels, MI and prompt retrieval, for a run that measured them
+    from tools.plot import plot_runs  # two more panels, MI and prompt retrieval, for a run that measured them
     png = Path(plot_runs([str(tmp_path / "a")], str(tmp_path / "mi.png"))).read_bytes()
     assert int.from_bytes(png[16:20], "big") == round(3.6 * 7 * 110)
     # a filter that keeps nothing: top_p over the mean reward, every group scoring < 0 (one-token replies never

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import webshop as ws  # noqa: E402
+from extras import webshop as ws  # noqa: E402
 
 
 @pytest.fixture(scope="module")

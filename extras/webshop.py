@@ -909,7 +909,7 @@ class WebShopEnv:
 # ----------------------------------------------------------------------------- CLI
 
 def main(argv=None):
-    import cli
+    from engine import cli
     ap = cli.Parser(description="WebShop environment: write the generated catalogue as the original files, or "
                                 "print the expert's episode for one goal. (Baselines: python eval.py --env webshop "
                                 "--policy expert|random --max-turns 9 --max-actions-per-turn 1 --max-actions 9)")
@@ -955,5 +955,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import cli
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
+    from engine import cli
     cli.run(main)

@@ -55,13 +55,16 @@ import dataclasses
 import gc
 import math
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
-import cli
-from starpo import TokenLogprobs, fused_logprobs_entropy, naive_logprobs_entropy
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for python tools/bench.py
+from engine import cli  # noqa: E402
+from engine.logprobs import fused_logprobs_entropy, naive_logprobs_entropy  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -229,7 +232,7 @@ def bench_fused(args) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 
 def _load(args):
-    from policy import load_policy
+    from engine.models import load_policy
     model, tok, path = load_policy(args.model, device=args.device)
     return model.eval(), tok, path
 
@@ -321,8 +324,8 @@ def bench_rollout(args) -> dict:
 def bench_prefix(args) -> dict:
     """Forward + backward of token_logprobs on one SFT batch with the shared prompt header run once vs per row."""
     from rollout import RolloutConfig, expert_agent, rollout
-    from starpo import shared_prefix_len, token_logprobs
-    from policy import pad_segments
+    from engine.logprobs import shared_prefix_len, token_logprobs
+    from starpo import pad_segments
     model, tok, path = _load(args)
     model.train()
     cfg = RolloutConfig(context_turns=1)  # sft_baseline.py's tiny default: one example per turn
@@ -404,108 +407,6 @@ def bench_prior(args) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Section: noise
-# ----------------------------------------------------------------------------------------------------------
-
-class _GradientStats:
-    """Stands in for the optimizer in starpo.update: `step` adds the gradient to running sums (the sum, the sum of
-    unit vectors, the sum of squared norms), so K batches cost two model-sized vectors, not K."""
-    def __init__(self, params):
-        self.params, self.k, self.sum, self.unit, self.sq = [p for p in params if p.requires_grad], 0, None, None, 0.0
-
-    def zero_grad(self, set_to_none: bool = True):
-        for p in self.params:
-            p.grad = None
-
-    def step(self):
-        self.add(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().float()
-                            for p in self.params]))
-
-    def add(self, g: torch.Tensor):
-        norm = torch.linalg.vector_norm(g, dtype=torch.float64).item()
-        self.k, self.sq = self.k + 1, self.sq + norm ** 2
-        self.sum = g.clone() if self.sum is None else self.sum.add_(g)
-        u = g / max(norm, 1e-30)
-        self.unit = u if self.unit is None else self.unit.add_(u)
-
-    def result(self) -> dict:
-        """Signal |E g|^2 (unbiased: the mean dot product of two different batches' gradients), noise tr Cov (the
-        sample variance), their ratio, and the mean cosine between two batches' gradients."""
-        K = self.k
-        total = torch.linalg.vector_norm(self.sum, dtype=torch.float64).item() ** 2
-        signal = (total - self.sq) / (K * (K - 1))
-        noise = (self.sq - total / K) / (K - 1)
-        cosine = (torch.linalg.vector_norm(self.unit, dtype=torch.float64).item() ** 2 - K) / (K * (K - 1))
-        return dict(signal=signal, noise=noise, batches_needed=noise / signal if signal > 0 else math.inf,
-                    cosine=cosine)
-
-
-def _signal_noise(g: torch.Tensor) -> dict:
-    """g [K, D], K independent gradients -> _GradientStats.result()."""
-    stats = _GradientStats([])
-    for row in g:
-        stats.add(row)
-    return stats.result()
-
-
-def _noise_config(train_args: str):
-    """train.py's Config from --noise-train-args, with one gradient per batch (one mini-batch, ratio 1)."""
-    import shlex
-
-    import train
-    try:
-        cfg, explicit = cli.parse(train.Config, shlex.split(train_args), prog="bench.py --noise-train-args",
-                                  presets=train.PRESETS)
-        cfg = train.derive(train.inherit_rendering(cfg, explicit))
-    except ValueError as e:
-        raise ValueError(f"--noise-train-args {train_args!r}: {e}") from None
-    return dataclasses.replace(cfg, mini_batch=10 ** 9, ppo_epochs=1)
-
-
-def bench_noise(args) -> dict:
-    """Signal against noise in the policy gradient of train.py's batches (see the module docstring)."""
-    import copy
-
-    import train
-    from policy import autocast_dtype, load_critic
-    from starpo import UpdateConfig, update
-    cfg = args.noise_cfg  # main() read --noise-train-args with the other flags
-    device = torch.device(args.device)
-    amp = autocast_dtype(device)  # bf16 on CUDA, as train.py
-    policy, tok, path, env_overrides = train.load_model_and_env(cfg, device)
-    critic = load_critic(path, device) if cfg.algo == "ppo" else None
-    ref = copy.deepcopy(policy).eval().requires_grad_(False) if cfg.kl_coef > 0 else None
-    ucfg = UpdateConfig(mini_batch=10 ** 9, micro_batch=cfg.micro_batch, clip_low=cfg.clip_low,
-                        clip_high=cfg.clip_high, entropy_coef=0.0, agg=cfg.loss_agg, kl_coef=cfg.kl_coef,
-                        kl_kind=cfg.kl_kind, temperature=cfg.temperature, fused=cfg.fused, max_grad_norm=math.inf)
-    rcfg = train.rollout_config(cfg, cfg.temperature)
-    real, signs = _GradientStats(policy.parameters()), _GradientStats(policy.parameters())
-    critic_sink = _GradientStats(critic.parameters()) if critic is not None else None
-    print(f"[noise] {cfg.model} on {cfg.env}, {cfg.algo}, {cfg.prompts} x {cfg.rollouts}, filter {cfg.filter}, "
-          f"{args.noise_batches} batches (iterations 1..{args.noise_batches} of seed {cfg.seed}), {device.type}")
-    t0, kept_rows = time.perf_counter(), []
-    for it in range(args.noise_batches):
-        trajs = train.iteration_rollouts(cfg, it, policy, tok, rcfg, env_overrides, device)
-        kept, _, _ = train.filter_groups(cfg, trajs)
-        batch, _ = train.prepare_batch(kept, cfg, policy, ref, critic, tok.pad_token_id, device, amp, on_eval=False)
-        kept_rows.append(len(batch))
-        sign = (torch.randint(0, 2, (len(batch), 1), generator=torch.Generator().manual_seed(it)) * 2 - 1).float()
-        policy.train()
-        for sink, b in ((real, batch), (signs, dataclasses.replace(batch, advantages=batch.advantages
-                                                                     * sign.to(batch.advantages.device)))):
-            update(TokenLogprobs(policy), sink, b, ucfg, critic=critic, critic_optimizer=critic_sink,
-                   autocast_dtype=amp)
-    res = {"real": real.result(), "random_signs": signs.result()}
-    for name, r in res.items():
-        print(f"[noise] {name:12s} |E g|^2 {r['signal']:.3g}  noise (tr Cov of one batch) {r['noise']:.3g}  "
-              f"batches per step for signal = noise {r['batches_needed']:.3g}  mean cosine {r['cosine']:.3g}")
-    print(f"[noise] rows per batch: median {statistics.median(kept_rows):g}; "
-          f"{time.perf_counter() - t0:.0f} s. Read |E g|^2 against the control's, which is 0 up to the "
-          f"estimate's error")
-    return {**res, "rows": statistics.median(kept_rows)}
-
-
-# ----------------------------------------------------------------------------------------------------------
 # Section: gpu
 # ----------------------------------------------------------------------------------------------------------
 
@@ -522,7 +423,7 @@ def _random_model(args, shapes: dict, tmp):
     from pathlib import Path
 
     from envs import train_seeds
-    from prior import build_tokenizer
+    from tools.prior import build_tokenizer
     from rollout import RolloutConfig, random_agent, rollout
     from transformers import Qwen2Config, Qwen2ForCausalLM
     trajs = rollout("sokoban", train_seeds(0, 16), list(range(16)), RolloutConfig(),
@@ -547,9 +448,9 @@ def _decode_ms(folder, args, graphs: bool) -> dict:
     (time of a reply of S + 1 tokens - time of 1 token) / S, medians of --repeats. Random weights almost never
     end a reply, so every row decodes every step."""
     from envs import make_env, train_seeds
-    from policy import autocast_dtype, load_policy
+    from engine.models import autocast_dtype, load_policy
     from rollout import RolloutConfig, header_text, render_ids, turn_text, window_messages
-    from sampler import Engine
+    from engine.sampler import Engine
     device = torch.device(args.device)
     model, tok, _ = load_policy(str(folder), device)
     model.eval()
@@ -655,7 +556,6 @@ SECTIONS = {
     "rollout": bench_rollout,
     "prefix": bench_prefix,
     "prior": bench_prior,
-    "noise": bench_noise,
     "gpu": bench_gpu,
 }
 
@@ -681,9 +581,6 @@ def main(argv=None):
     parser.add_argument("--prefix-rows", type=int, default=32, help="SFT rows per batch (the tiny default 32)")
     parser.add_argument("--prior-episodes", type=int, default=64, help="episodes per env/mode/temperature")
     parser.add_argument("--prior-temperatures", default="0.5,1.0", help="eval 0.5, training 1.0")
-    parser.add_argument("--noise-train-args", default="--env sokoban --algo grpo --filter 0.25",
-                        help="noise: train.py's flags for the batches (default: the main command)")
-    parser.add_argument("--noise-batches", type=int, default=16, help="noise: K independent batches (>= 2)")
     for name, value in QWEN_05B.items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=value,
                             help=f"gpu: model {name.replace('_', ' ')} (Qwen2.5-0.5B: {value})")
@@ -704,7 +601,6 @@ def main(argv=None):
                   + [(getattr(args, k) >= 1, f"--{k.replace('_', '-')} {getattr(args, k)}: must be >= 1")
                      for k in counts]
                   + [(args.rollout_n >= 2, f"--rollout-n {args.rollout_n}: must be >= 2"),
-                     (args.noise_batches >= 2, f"--noise-batches {args.noise_batches}: must be >= 2"),
                      (args.gpu_rollouts >= 2, f"--gpu-rollouts {args.gpu_rollouts}: must be >= 2"),
                      (args.fused_chunk is None or args.fused_chunk >= 1,
                       f"--fused-chunk {args.fused_chunk}: must be >= 1"),
@@ -712,15 +608,13 @@ def main(argv=None):
                      (0 < args.gpu_filter <= 1, f"--gpu-filter {args.gpu_filter}: must be in (0, 1]")])
         temps = [cli.finite_float(t) for t in args.prior_temperatures.split(",")]
         cli.check([(all(t >= 0 for t in temps), f"--prior-temperatures {args.prior_temperatures}: must be >= 0")])
-        from policy import pick_device
+        from engine.models import pick_device
         args.device = str(pick_device(args.device))
-        if "noise" in (args.sections or SECTIONS):  # its errors before any section runs
-            args.noise_cfg = _noise_config(args.noise_train_args)
     except (ValueError, argparse.ArgumentTypeError) as e:
         cli.fail(f"--prior-temperatures {args.prior_temperatures}: {e}" if isinstance(e, argparse.ArgumentTypeError)
                  else str(e))
     torch.set_num_threads(args.threads)  # the CPU side of every section, whatever the device
-    from policy import setup_device
+    from engine.models import setup_device
     setup_device(torch.device(args.device), args.threads)
     results = {}
     for name in args.sections or list(SECTIONS):

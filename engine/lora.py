@@ -1,16 +1,11 @@
-"""LoRA (Hu et al. 2021), hand-written: a low-rank update beside each frozen linear layer, merged back for export.
+"""LoRA (Hu et al. 2021), hand-written: a low-rank update beside each frozen linear layer, merged for export.
 
-Every linear layer of the transformer blocks (attention q/k/v/o and MLP gate/up/down; not the embeddings or the LM
-head) gets y = W x + (alpha / r) * B A x (eq. 3) with W frozen, A random, B = 0, so training starts exactly at the
-pretrained model; `merge_lora` writes W + (alpha / r) B A into plain nn.Linear layers that save_pretrained exports.
-The paper's SFT baseline uses rank 64, alpha 32 (Appendix G; `sft_baseline.py --lora-rank`); `train.py --lora-rank`
-uses it for RL (beyond the paper, whose RL runs train every weight), to fit larger models on one card; there
-`adapters_off` turns the policy back into its frozen base, the KL reference, without a second copy of the weights.
-
-Deviations from the paper / RAGEN (deliberate):
-1. None in the method; peft's defaults are followed where the paper is silent (A: nn.Linear's init, B: zeros).
-2. A LoRA run's reference model is the policy with its adapters off (verl's `ref_in_actor` does the same), not a
-   copy: equal to the initial policy, since B = 0 at the start and the base never trains.
+Every linear layer of the transformer blocks (attention q/k/v/o, MLP gate/up/down; not the embeddings or the LM
+head) gets y = W x + (alpha / r) * B A x (eq. 3), W frozen, A random, B = 0, so training starts exactly at the
+pretrained model; `merge_lora` writes W + (alpha / r) B A into plain nn.Linear layers. The paper's SFT baseline
+uses rank 64, alpha 32 (Appendix G, `sft_baseline.py --lora-rank`); `train.py --lora-rank` uses it for RL, to
+fit larger models on one card, where `adapters_off` turns the policy back into its frozen base: the KL
+reference without a second copy of the weights (verl's `ref_in_actor`). peft's initialisation otherwise.
 """
 from __future__ import annotations
 

@@ -1,18 +1,12 @@
 """Data parallelism under torchrun: one process per GPU (or per CPU share), each holding the whole model.
 
-    torchrun --standalone --nproc_per_node 8 train.py ...     # launcher sets RANK, WORLD_SIZE, LOCAL_RANK
+    torchrun --standalone --nproc_per_node 8 train.py ...     # the launcher sets RANK, WORLD_SIZE, LOCAL_RANK
 
-This is not in the paper (RAGEN runs on verl + Ray); it is plain PyTorch data parallelism: every rank rolls out
-its share of the prompt groups, the ranks exchange small Python objects and [B, T] tensors with the helpers
-below, and DistributedDataParallel averages gradients. Without torchrun's variables (a plain `python train.py`)
-or with WORLD_SIZE=1 no process group is created and every helper returns its input: one process, as before.
-
-Deviations from the paper / RAGEN (deliberate):
-1. NCCL on CUDA, gloo on CPU, picked from the device; under torchrun each rank uses cuda:LOCAL_RANK whatever
-   `--device cuda:N` says (CUDA_VISIBLE_DEVICES chooses the GPUs).
-2. Collectives time out after 30 minutes (torch's default is 10): the other ranks wait while rank 0 evaluates.
-3. Shutdown frees the process group before the interpreter exits (see `init` and `close`), which torch alone
-   does not do once DDP has been used; without it about 1 torchrun exit in 40 aborted (SIGABRT).
+Not the paper's (RAGEN runs on verl + Ray): plain PyTorch data parallelism. Every rank rolls out its share of
+the prompt groups, the ranks exchange small Python objects and [B, T] tensors with the helpers below, and
+DistributedDataParallel averages gradients. Without torchrun (a plain `python train.py`) or with WORLD_SIZE=1
+no process group is created and every helper returns its input. NCCL on CUDA, gloo on CPU; collectives time
+out after 30 minutes (rank 0 evaluates while the others wait); docs/scaling.md.
 """
 from __future__ import annotations
 
@@ -145,3 +139,12 @@ def assert_in_sync(*modules: torch.nn.Module | None) -> str:
     if len(set(digests)) != 1:
         raise RuntimeError(f"weights differ across ranks after training (sha256 per rank: {digests})")
     return digests[0]
+
+
+def map_rows(fn, ids: torch.Tensor, attn: torch.Tensor, micro: int) -> torch.Tensor:
+    """fn(ids, attn) -> [b, T] on this rank's share of the B rows, `micro` rows at a time, gathered: every rank
+    ends with all of them [B, T] (one process: fn over every row)."""
+    mine = my_range(len(ids))
+    my_ids, my_attn = ids[mine.start:mine.stop], attn[mine.start:mine.stop]
+    parts = [fn(my_ids[j:j + micro], my_attn[j:j + micro]) for j in range(0, len(my_ids), micro)]
+    return gather_rows(torch.cat(parts) if parts else torch.zeros(my_ids.shape, device=ids.device), len(ids))

@@ -1,13 +1,10 @@
 """Command-line flags from a `@dataclass Config`, and the rules every entry script follows with bad input.
 
-Shared by train.py, eval.py, sft_baseline.py, webshop.py and bench.py so that all of them read the same way: a
-plain dataclass is the whole configuration; this file turns it into kebab-case argparse flags and back, and
-turns every bad input into one line on stderr and exit code 2 (`train.py: error: --lr -1.0: must be > 0`),
-never a traceback: argparse's own errors (one line, no usage block), non-finite numbers (rejected while
-parsing), files that are missing, unreadable or corrupt (named, with what is wrong), output paths that cannot
-be written, run folders that would be overwritten. Ctrl-C ends a script with one line and exit code 130.
-
-Deviations from the paper / RAGEN: none (RAGEN configures runs with Hydra YAML; we use flags).
+A plain dataclass is a script's whole configuration; `flag` gives a field its help and bounds, `parse` turns
+the fields into kebab-case flags and back. Every bad input becomes one line on stderr and exit code 2
+(`train.py: error: --lr -1.0: must be > 0`), never a traceback: argparse's errors, non-finite numbers, files
+that are missing or corrupt, outputs that cannot be written, folders that would be overwritten. Ctrl-C: one
+line, exit code 130. RAGEN configures runs with Hydra YAML; flags are the only difference.
 """
 from __future__ import annotations
 
@@ -16,32 +13,44 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import sys
 import typing
 from pathlib import Path
 
-SEED_MAX = 2 ** 31 - 1  # seeds are mixed into 64-bit generator seeds (seed * 1_000_003 + iteration + rank << 40)
+SEED_MAX = 2 ** 31 - 1  # seeds are mixed into 64-bit generator seeds (train.seed_of)
 
 
-def flag(default, help: str, choices=None, lo=None, hi=None, gt=None, lt=None):
-    """A Config field with its help string and allowed values: `choices` (a dict such as envs.ENVS is read when the
-    flag is parsed, so an env registered after import is allowed too), or bounds lo <= x <= hi, gt < x < lt,
-    checked by `bounds` once the per-model defaults are filled in."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "bounds": (lo, gt, hi, lt)})
+def flag(default, help: str, choices=None, lo=None, hi=None, gt=None, lt=None, beyond: bool = False):
+    """A Config field with its help string and allowed values: `choices` (a dict such as envs.ENVS is read
+    when the flag is parsed, so an env registered after import is allowed too), or bounds lo <= x <= hi,
+    gt < x < lt, checked by `bounds` once the per-model defaults are filled in. `beyond`: an option beyond the
+    paper, whose default is the paper's method (`opt_ins` lists those a run changed)."""
+    meta = {"help": help, "choices": choices, "bounds": (lo, gt, hi, lt), "beyond": beyond}
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def opt_ins(cfg) -> list[str]:
+    """The fields marked `beyond` that differ from their default: the options beyond the paper a run uses."""
+    return [f.name for f in dataclasses.fields(cfg)
+            if f.metadata.get("beyond") and getattr(cfg, f.name) != f.default]
 
 
 def bounds(cfg) -> list[tuple[bool, str]]:
-    """The (ok, message) rules of every field's bounds (`flag`), for `check`; a value still None is not checked."""
+    """The (ok, message) rules of every field's bounds (`flag`), for `check`; a value still None is not
+    checked."""
     rules = []
     for f in dataclasses.fields(cfg):
         lo, gt, hi, lt = f.metadata.get("bounds", (None,) * 4)
         v = getattr(cfg, f.name)
         if v is None or (lo, gt, hi, lt) == (None,) * 4:
             continue
-        ok = (lo is None or v >= lo) and (gt is None or v > gt) and (hi is None or v <= hi) and (lt is None or v < lt)
+        ok = (lo is None or v >= lo) and (gt is None or v > gt) and (hi is None or v <= hi) \
+            and (lt is None or v < lt)
         low, high = lo if lo is not None else gt, hi if hi is not None else lt
         if low is None or high is None:
-            allowed = next(f"{op} {b:g}" for op, b in ((">=", lo), (">", gt), ("<=", hi), ("<", lt)) if b is not None)
+            allowed = next(f"{op} {b:g}" for op, b in ((">=", lo), (">", gt), ("<=", hi), ("<", lt))
+                           if b is not None)
         elif isinstance(v, int) and lo is not None and hi is not None:
             allowed = f"in {lo}..{hi}"
         else:
@@ -62,8 +71,8 @@ def finite_float(text: str) -> float:
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but an error is one line (`prog: error: argument --steps: invalid int value: 'x'`), without the
-    usage block, so that every bad input of every script reads the same way."""
+    """argparse, but an error is one line (`prog: error: argument --steps: invalid int value: 'x'`), without
+    the usage block, so that every bad input of every script reads the same way."""
 
     def error(self, message):
         fail(message, self.prog)
@@ -80,7 +89,7 @@ def _parse_type(tp):
 
 
 def build_parser(cls, description: str, prog: str | None = None) -> argparse.ArgumentParser:
-    parser = Parser(prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.metadata.get("derived"):  # computed after parsing, not a flag
@@ -88,9 +97,10 @@ def build_parser(cls, description: str, prog: str | None = None) -> argparse.Arg
         name = "--" + f.name.replace("_", "-")
         help_ = f.metadata.get("help", "")
         tp, nargs = _parse_type(hints[f.name])
-        # default=SUPPRESS: only flags the user typed land in the namespace (presets must not override them)
-        if "(default:" not in help_:  # per-model defaults (None here) say their values in the help itself
+        # per-model defaults (None here) say their values in the help itself: one default per flag
+        if "default:" not in help_ and f.default is not None:
             help_ = f"{help_} (default: {f.default})"
+        # default=SUPPRESS: only flags the user typed land in the namespace (presets must not override them)
         if tp is bool:
             parser.add_argument(name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=help_)
@@ -145,14 +155,14 @@ def read_json(path: Path | str, what: str) -> dict:
 
 
 def writable_file(path: str, flag_name: str, new: bool = False) -> Path:
-    """Check, before any work, that `path` can be written (its folder exists, it is not a folder itself; `new`:
-    it does not exist yet, so no earlier result is replaced)."""
+    """Check, before any work, that `path` can be written (its folder exists, it is not a folder itself;
+    `new`: it does not exist yet, so no earlier result is replaced)."""
     p = Path(path)
     parent = p.parent if str(p.parent) else Path(".")
     if p.is_dir():
         raise ValueError(f"{flag_name} {path}: is a folder, not a file")
     if new and p.exists():
-        raise ValueError(f"{flag_name} {path}: exists; nothing is replaced: choose another file or remove it first")
+        raise ValueError(f"{flag_name} {path}: exists; nothing is replaced: choose another file or remove it")
     if not parent.is_dir():
         raise ValueError(f"{flag_name} {path}: its folder {parent} does not exist")
     if not os.access(parent, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
@@ -160,9 +170,14 @@ def writable_file(path: str, flag_name: str, new: bool = False) -> Path:
     return p
 
 
-# What a run writes into its folder (train.py, sft_baseline.py, --plot): --overwrite removes these and only these
-RUN_FILES = ("config.json", "metrics.jsonl", "latest", ".latest.tmp", "ckpt-*", ".tmp-ckpt-*", "trajectories-*.txt",
-             "final", "echo_trap.png", "result.json", "expert-trajectories.txt")
+# What a run writes into its folder (train.py, sft_baseline.py, --plot): --overwrite removes these, nothing else
+RUN_FILES = ("config.json", "metrics.jsonl", "latest", ".latest.tmp", "ckpt-*", ".tmp-ckpt-*",
+             "trajectories-*.txt", "final", "echo_trap.png", "result.json", "expert-trajectories.txt")
+
+
+def is_run(folder: Path, marker=("config.json", "metrics.jsonl"), patterns=RUN_FILES) -> bool:
+    """Whether `folder` holds a run: the `marker` files, and nothing that a run does not write."""
+    return folder.is_dir() and all((folder / m).is_file() for m in marker) and not foreign_files(folder, patterns)
 
 
 def foreign_files(folder: Path, patterns=RUN_FILES) -> list[str]:
@@ -174,8 +189,8 @@ def run_folder(path: str, flag_name: str, overwrite: bool, resumable: bool = Fal
                marker: tuple[str, ...] = ("config.json", "metrics.jsonl"), what: str = "a run") -> Path:
     """Check that a new run may be written into `path` and nothing there would be lost: a folder that does not
     exist yet (its parent must be a writable folder, or creatable), an empty one, or, with --overwrite, an
-    earlier run's folder: one that holds the `marker` files and nothing that `patterns` (what a run writes) does
-    not match. A model folder, the shipped prior or any other folder is refused whatever the flags
+    earlier run's folder: one that holds the `marker` files and nothing that `patterns` (what a run writes)
+    does not match. A model folder, the shipped prior or any other folder is refused whatever the flags
     (`resumable`: the script has --resume, and the error says so). Nothing is written here."""
     if not path:
         raise ValueError(f"{flag_name} '': needs a folder path")
@@ -183,15 +198,15 @@ def run_folder(path: str, flag_name: str, overwrite: bool, resumable: bool = Fal
     if p.exists() and not p.is_dir():
         raise ValueError(f"{flag_name} {path}: exists and is not a folder")
     if p.is_dir() and any(p.iterdir()):
-        foreign = foreign_files(p, patterns)
-        if foreign or not all((p / m).exists() for m in marker):
-            names = foreign or sorted(x.name for x in p.iterdir())
+        if not is_run(p, marker, patterns):
+            names = foreign_files(p, patterns) or sorted(x.name for x in p.iterdir())
             shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
-            raise ValueError(f"{flag_name} {path}: holds files that {what} does not write ({shown}); nothing there "
-                             f"is replaced, even with --overwrite: choose another {flag_name}")
+            raise ValueError(f"{flag_name} {path}: holds files that {what} does not write ({shown}); nothing "
+                             f"there is replaced, even with --overwrite: choose another {flag_name}")
         if not overwrite:
             resume = f"continue it with --resume {path}, " if resumable else f"choose another {flag_name}, "
-            raise ValueError(f"{flag_name} {path}: {what} is already there; {resume}or replace it with --overwrite")
+            raise ValueError(f"{flag_name} {path}: {what} is already there; {resume}or replace it with "
+                             f"--overwrite")
     existing = next(q for q in [p, *p.parents] if q.exists())  # the nearest folder that exists
     if not existing.is_dir():
         raise ValueError(f"{flag_name} {path}: {existing} is a file, so no folder can be made under it")
@@ -201,13 +216,11 @@ def run_folder(path: str, flag_name: str, overwrite: bool, resumable: bool = Fal
 
 
 def clear_run_folder(folder: Path, patterns=RUN_FILES) -> None:
-    """--overwrite, once the inputs are checked: remove what an earlier run wrote (run_folder allowed only
-    a folder that holds nothing else), never the folder's other contents."""
-    import shutil
-    if folder.is_dir():
-        for p in folder.iterdir():
-            if any(p.match(pat) for pat in patterns):
-                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    """--overwrite, once the inputs are checked: remove what an earlier run wrote (`run_folder` allowed only
+    a folder that holds nothing else), never anything else."""
+    for p in folder.iterdir() if folder.is_dir() else []:
+        if any(p.match(pat) for pat in patterns):
+            shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
 
 
 def fail(message: str, prog: str | None = None, code: int = 2) -> typing.NoReturn:
@@ -218,8 +231,8 @@ def fail(message: str, prog: str | None = None, code: int = 2) -> typing.NoRetur
 
 
 def run(main) -> None:
-    """An entry script's `__main__`: main(); Ctrl-C ends it with one line (what main put in the KeyboardInterrupt,
-    e.g. how to resume) and exit code 130, the shell's code for SIGINT."""
+    """An entry script's `__main__`: main(); Ctrl-C ends it with one line (what main put in the
+    KeyboardInterrupt, e.g. how to resume) and exit code 130, the shell's code for SIGINT."""
     try:
         main()
     except KeyboardInterrupt as e:

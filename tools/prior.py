@@ -1,25 +1,16 @@
-"""The tiny prior: how the embedded policy that `--model tiny` loads from `prior/` was built, and how to rebuild it.
+"""The tiny prior: how the policy that `--model tiny` loads from `prior/` was built, and how to rebuild it.
 
-    python prior.py --out prior-rebuilt        # ~3 min on one CPU thread; prints each env's format rate
+    python tools/prior.py --out prior-rebuilt        # ~3 min on one CPU thread; prints each env's format rate
     python eval.py --env bandit --policy prior-rebuilt
 
-The paper starts from Qwen2.5-0.5B-Instruct (section 3.2): a model that knows the answer format but not the tasks.
-The tiny prior plays that part on a CPU: a real Qwen2-architecture `transformers` model (~1M parameters) with a
-word-level tokenizer built from the environments' texts, warmed up on random agents' conversations rendered as
-rollout.py renders them. It is built once and shipped in `prior/` (safetensors + tokenizer, ~4 MB): a build is
-deterministic on one machine, but float rounding differs between CPUs, and priors built on two machines differed
-by 0.18 in Bandit success. Shipped, every machine starts from the same weights and its figures reproduce;
-training from it may still round differently on another CPU.
-
-Deviations from the paper / RAGEN (deliberate):
-1. The policy is ~1M parameters and its vocabulary is the environments' own words: the paper's 0.5B model
-   cannot be downloaded or trained in minutes on a 2-core CPU. The Qwen path is one flag away (`--model`).
-2. Its "pre-training + instruction tuning" is one language-model warm-up on random agents' conversations (both
-   think modes, whole and windowed). It knows the format, the action words and the boards, not the tasks.
-3. The loss is on the replies plus the same loss on everything else (boards, feedback), as a pre-trained LM has
-   modelled text: a prior trained on the replies alone could not read a board's columns (`obs_weight`).
-4. The tokenizer is word-level, and each tag with its leading space is one token (" </think>", " ||"): with a
-   separate " " token before every tag, replies were well-formed in 1-5% of turns; with these, 100%.
+The paper starts from Qwen2.5-0.5B-Instruct (section 3.2): a model that knows the answer format but not the
+tasks. The tiny prior plays that part on a CPU: a real Qwen2-architecture `transformers` model (~1M parameters)
+with a word-level tokenizer built from the environments' texts (each tag with its leading space one token),
+warmed up on random agents' conversations rendered as rollout.py renders them (both think modes, whole and
+windowed; the loss on the replies and, as a pre-trained LM has modelled text, on the boards and feedback). It
+is built once and shipped in `prior/` (~4 MB): a build is deterministic on one machine, but float rounding
+differs between CPUs (two machines' builds differed by 0.18 in Bandit success), so every machine starts from
+the same weights. `ensure_tiny` builds small variants for the tests and for new environments.
 """
 from __future__ import annotations
 
@@ -38,8 +29,12 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-import cli
-from policy import PRIOR_DIR, pad_segments
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for python tools/prior.py
+from engine import cli  # noqa: E402
+from engine.models import PRIOR_DIR  # noqa: E402
+from starpo import pad_segments  # noqa: E402
 
 TINY_VERSION = 3  # part of ensure_tiny's cache key: bump after a change of the warm-up code itself
 TINY_MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -265,12 +260,17 @@ def portable(folder: Path) -> None:
 def format_rates(path: str, prompts: int = 32) -> dict[str, float]:
     """Fraction of well-formed replies of the prior in `path` on each env (32 eval prompts at temperature 0.5):
     what a working prior must have, whatever CPU built it."""
-    from eval import evaluate
-    from policy import load_policy
-    from rollout import RolloutConfig
+    from engine.models import load_policy
+    from envs import EVAL_SEEDS
+    from rollout import RolloutConfig, rollout
     model, tok, _ = load_policy(path)
-    return {env: evaluate(env, RolloutConfig(temperature=0.5), model, tok, prompts=prompts)[0]["format"]
-            for env in tiny_envs() if env != "webshop"}
+    rates = {}
+    for env in tiny_envs():
+        trajs = rollout(env, EVAL_SEEDS[:prompts], list(range(prompts)), RolloutConfig(temperature=0.5),
+                        tokenizer=tok, model=model.eval(), generator=torch.Generator().manual_seed(0))
+        turns = [x for t in trajs for x in t.turns]
+        rates[env] = sum(x.parsed for x in turns) / max(1, len(turns))
+    return rates
 
 
 @dataclass

@@ -1,34 +1,15 @@
 """The rollout engine: every live episode's reply of a turn decoded in one batch, on one static KV cache.
 
-This is the engine under rollout.py's multi-turn rollouts (paper section 2.1; RAGEN runs vLLM here). Its own
-file because it is engineering, not the paper's method: it changes the speed of a rollout, not its distribution.
-Optional reading, like the fused loss path in starpo.py.
-
-Two paths, one fast and one reference:
-- `Engine` (Qwen2 and Llama, the paper's model family): one preallocated KV cache for all the episodes of a
-  rollout, [rows, H_kv, capacity, D] per layer, kept across their turns. Row r holds its episode's tokens in
-  columns 0..n_r - 1 (column = position id); a turn prefills only what is new (its feedback and next prompt) and
-  decodes into the same buffers. A decode step is a short hand-written forward over the model's own modules
-  (`forward`: embeddings, norms, q/k/v/o projections, MLP, HF's rotary embedding), so it has static shapes: it
-  writes each row's new key at column n_r and attends to columns <= n_r through a mask, finished rows are fed a
-  pad and masked rather than re-batched, and sampling and the stop test run on the device. On CUDA each decode
-  step is one CUDA graph, captured once per batch-size bucket and replayed (the step is launch-bound otherwise:
-  ~46 ms at 128 rows for a 0.5B model measured on an H200 with the HF forward, for ~2 ms of memory traffic);
-  the host looks at the rows every `sync_every` steps. On CPU it runs the same step eagerly.
-- `reference_generate`: the Hugging Face forward with its own cache, every turn's whole prompt re-prefilled
-  (rollout.py's `kv_cache=False`); tests hold the engine to it, and it runs the architectures the engine does
-  not know (said once).
-
-To add an architecture, check that `forward` matches its decoder layer (pre-norm attention + MLP, rotary
-positions; e.g. Qwen3 adds q/k norms, Gemma scales embeddings) and add its model_type to ARCHS: the test
-`test_engine_forward_equals_hugging_face` compares logits.
-
-Deviations from RAGEN (deliberate):
-1. Our own decoding loop (RAGEN: vLLM): plain softmax sampling at a temperature, no top-p or top-k; a reply ends
-   at an end token or once its text holds "</answer>" (a per-row automaton over token pieces, on the device).
-2. Each episode's KV cache is kept across its turns; where a prompt changes before its end (a history window,
-   context_turns > 0), the row keeps the common prefix and prefills the rest.
-3. Rows that share a whole first prompt (the N rollouts of a group) are prefilled once and copied.
+The engine under rollout.py's multi-turn rollouts (paper section 2.1; RAGEN runs vLLM here): it changes the
+speed of a rollout, not its distribution (tested). `Engine` (Qwen2 and Llama, the paper's family) keeps one
+preallocated cache [rows, H_kv, capacity, D] per layer for all the episodes of a rollout, across their turns;
+a turn prefills only what is new (a changed prompt keeps its common prefix; rows that share a whole first
+prompt, a group, are prefilled once). A decode step is a hand-written forward over the model's own modules
+(`forward`) with static shapes: finished rows are fed a pad and masked, sampling and the stop test (an
+automaton over token pieces for "</answer>") run on the device, and on CUDA each step is one CUDA graph per
+batch bucket, the host looking at the rows every `sync_every` steps. Plain softmax sampling, no top-p/top-k.
+`reference_generate` is the Hugging Face forward, every turn re-prefilled: the tests hold the engine to it,
+and it runs the architectures the engine does not know (said once). Adding one: docs/engine.md.
 """
 from __future__ import annotations
 
@@ -39,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from policy import autocast_dtype
-from starpo import cache_keyword
+from engine.logprobs import cache_keyword
+from engine.models import autocast_dtype
 
 STOP_TEXT = "</answer>"
 ARCHS = ("qwen2", "llama")  # decoder layers that `forward` reproduces (tested against their HF forward)

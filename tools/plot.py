@@ -2,16 +2,11 @@
 
     python train.py --plot runs/a runs/b [--plot-out echo.png]
 
-Reads each run folder's metrics.jsonl (one line per iteration, written by train.py) and config.json, and draws
-the four signals the paper watches for the collapse (average reward, in-group reward std, grad norm, entropy)
-plus eval success with its 95% interval, and RAGEN-2's mutual information between prompt and reasoning and its
-prompt-retrieval accuracy (against chance) when a run measured them (`--collapse-every`): the raw trace faint, a
-running mean of 5 bold, an x where train.py's Echo Trap monitor fired on that signal. Runs are labelled by the settings that differ between them.
-
-Its own file because drawing is not training: train.py only hands `--plot` over to `plot_runs`.
-
-Deviations from the paper / RAGEN: none in what is drawn (RAGEN sends these metrics to wandb; here they come
-from the run's own metrics.jsonl).
+Reads each run folder's metrics.jsonl and config.json and draws the four signals the paper watches for the
+collapse (average reward, in-group reward std, grad norm, entropy) and eval success with its 95% interval;
+with `--collapse-every`, RAGEN-2's prompt-reasoning MI and prompt-retrieval accuracy (against chance). The raw
+trace faint, a running mean of 5 bold, an x where the Echo Trap monitor fired on that signal; runs are labelled
+by the settings that differ between them. RAGEN sends the same metrics to wandb.
 """
 from __future__ import annotations
 
@@ -19,7 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
-import cli
+from engine import cli
 
 PLOT_KEYS = [("rollout/reward_mean", "average reward", None), ("rollout/in_group_std", "in-group reward std",
                                                                   "std_collapse"),
@@ -27,7 +22,7 @@ PLOT_KEYS = [("rollout/reward_mean", "average reward", None), ("rollout/in_group
              ("eval/success", "eval success (95% CI)", None)]
 MI_KEY = ("collapse/mi", "MI(prompt; reasoning)", "mi_collapse")  # drawn when a run has it (template collapse)
 RETRIEVAL_KEY = ("collapse/retrieval_acc", "prompt retrieval (dashed: chance)", None)  # MI's readable twin
-PLOT_SAME = {"out", "resume", "overwrite", "plot", "plot_out", "groups", "groups_kept"}  # never named in labels
+PLOT_SAME = {"out", "resume", "overwrite", "plot", "plot_out", "groups", "groups_kept", "device", "threads"}  # never named in labels
 
 
 def read_runs(run_dirs: list[str]) -> dict[str, list[dict]]:

@@ -1,0 +1,131 @@
+"""Checkpoints of a run (train.py, sft_baseline.py): written atomically, resumed exactly, damage named.
+
+`ckpt-STEP/` is written completely into a temp folder and renamed, then `latest` is repointed atomically, so a
+run stopped at any moment resumes from its last whole checkpoint (`--resume RUN`) and reproduces the
+uninterrupted run: every random draw of a step derives from (seed, step), so no generator state is saved. The
+newest two checkpoints are kept. A LoRA run saves its policy merged (a plain model) and its adapters in
+state.pt. The paper has no section on checkpoints; verl saves actor, critic and optimizer states alike.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import torch
+
+from engine import cli
+from engine.lora import adapter_state, plain_state_dict
+
+
+def save_checkpoint(out: Path, step: int, tok, models: dict, state: dict, config: dict | None = None) -> None:
+    """Write ckpt-STEP/ (each of `models` as a plain model folder, the tokenizer and the run's `config` as
+    train_config.json beside the policy, so that eval.py and --model read it as a policy folder; `state` in
+    state.pt with the adapters of every LoRA model), then point `latest` at it; keep the newest two."""
+    final, tmp = out / f"ckpt-{step:06d}", out / f".tmp-ckpt-{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    state = {"step": step, **state}
+    for name, model in models.items():
+        if model is None:
+            continue
+        if hasattr(model, "config"):  # a causal LM: merged LoRA, so that eval.py loads it as any model
+            model.save_pretrained(tmp / name, state_dict=plain_state_dict(model))
+        else:  # the critic writes its backbone and its head
+            model.save_pretrained(str(tmp / name))
+        state[f"{name}_lora"] = adapter_state(model)
+    tok.save_pretrained(tmp / "policy")
+    if config is not None:
+        (tmp / "policy" / "train_config.json").write_text(json.dumps(config, indent=2))
+    torch.save(state, tmp / "state.pt")
+    previous = (out / "latest").read_text().strip() if (out / "latest").is_file() else None
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    pointer = out / ".latest.tmp"
+    pointer.write_text(final.name)
+    os.replace(pointer, out / "latest")
+    for old in out.glob("ckpt-*"):
+        if old.name not in (final.name, previous):
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _load_state(ck: Path, device):
+    state = torch.load(ck / "state.pt", map_location=device, weights_only=False)
+    return int(state["step"]), state
+
+
+def read_checkpoint(out: Path, device, flag: str = "--resume"):
+    """-> (step, state, checkpoint folder) of the run's latest checkpoint, or None if it has none yet. A
+    checkpoint that cannot be read is a ValueError naming its file and an intact earlier one, if any."""
+    if not (out / "latest").is_file():
+        return None
+    ck = out / (out / "latest").read_text().strip()
+    try:
+        step, state = _load_state(ck, device)
+    except Exception as e:  # a damaged file is the user's input here: name it
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        intact = None
+        for older in sorted(out.glob("ckpt-*"), reverse=True):
+            try:
+                if older != ck and _load_state(older, "cpu"):
+                    intact = older
+                    break
+            except Exception:
+                continue
+        hint = f"; {intact.name} is intact: resume from it with `echo {intact.name} > {out / 'latest'}`" \
+            if intact else "; no earlier checkpoint is intact"
+        raise ValueError(f"{flag} {out}: cannot read {ck / 'state.pt'} ({type(e).__name__}: {first}){hint}") \
+            from None
+    return step, state, ck
+
+
+def read_metrics(path: Path, upto: int, flag: str = "--resume") -> list[str]:
+    """The metrics lines of steps 1..upto (a resumed run continues after them)."""
+    if not path.is_file():
+        raise ValueError(f"{flag} {path.parent}: {path} is missing; its checkpoint is at step {upto}, but "
+                         f"resuming would leave no record of the steps before it")
+    kept = []
+    for n, text in enumerate(path.read_text().splitlines(), 1):
+        if text.strip():
+            try:
+                step = json.loads(text)["step"]
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{flag} {path.parent}: {path} line {n} is not a metrics line") from None
+            if step <= upto:
+                kept.append(text)
+    return kept
+
+
+def resume_config(cls, cfg, explicit: set[str], allowed: set[str], dropped: tuple[str, ...] = ()):
+    """--resume RUN: the run's own Config from RUN/config.json, with the `allowed` flags as typed (any other
+    typed flag would be ignored, so it is an error). `dropped`: keys of removed fields, ignored (a field
+    added since the run was saved takes its default, which is what the run ran with)."""
+    run = Path(cfg.resume)
+    if not cli.is_run(run):
+        what = "a model folder, not a run" if (run / "config.json").is_file() else "not a run folder"
+        raise ValueError(f"--resume {cfg.resume}: {what} (a run folder holds config.json and metrics.jsonl)")
+    saved = cli.read_json(run / "config.json", f"--resume {cfg.resume}")
+    saved = {k: v for k, v in saved.items() if k not in dropped}
+    unknown = sorted(set(saved) - {f.name for f in fields(cls)})
+    if len(unknown) > len(saved) / 2:
+        raise ValueError(f"--resume {cfg.resume}: a run of another script (most of its config.json's keys are not "
+                         f"this script's: {', '.join(unknown[:3])}, ...)")
+    if unknown:
+        more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
+        raise ValueError(f"--resume {cfg.resume}: its config.json has keys this script does not know: "
+                         f"{', '.join(unknown[:3])}{more}")
+    ignored = sorted(explicit - allowed - {"resume"})
+    if ignored:
+        raise ValueError(f"--resume keeps the run's own config; it cannot change "
+                         f"{', '.join('--' + k.replace('_', '-') for k in ignored)} (allowed with --resume: "
+                         f"{', '.join('--' + k.replace('_', '-') for k in sorted(allowed))})")
+    return cls(**{**saved, **{k: getattr(cfg, k) for k in explicit}, "out": cfg.resume})
+
+
+def save_final(out: Path, policy, tok, cfg) -> None:
+    """A plain save_pretrained folder (+ train_config.json: eval.py renders prompts the same way)."""
+    final = out / "final"
+    policy.save_pretrained(final, state_dict=plain_state_dict(policy))
+    tok.save_pretrained(final)
+    (final / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))

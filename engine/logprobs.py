@@ -1,0 +1,239 @@
+"""Per-token log-probs and entropies of a causal LM: the plain path, and the fused chunked path that never
+builds the [B, T, V] logits (V = 151,936 for Qwen2.5: 1.2 GB per 2k tokens in fp32).
+
+`token_logprobs` is what starpo.update and sft_baseline.py call. Token convention: `logp[:, t] =
+log p(input_ids[:, t] | input_ids[:, :t])` at the sampling temperature (column 0 is 0), `entropy[:, t]` the
+entropy of that same distribution. The fused path computes the LM head chunk by chunk in fp32 (also under
+bf16 autocast; HF and verl use a bf16 head) and recomputes each chunk in backward; it assumes logits =
+lm_head(last hidden state) (Qwen2/Llama/Mistral; others: `fused=False`). A prompt header shared by every row
+(`shared_prefix_len`) runs once. Tested against the plain path (values and gradients); `TokenLogprobs` is the
+module DDP wraps under torchrun. Optional reading: speed and memory, not the method.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+
+def naive_logprobs_entropy_from_logits(logits: torch.Tensor, targets: torch.Tensor,
+                                       temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference: logits [N, V] -> (log p(target) [N], entropy [N]) through the full fp32 log-softmax."""
+    logp_all = torch.log_softmax(logits.float() / temperature, dim=-1)  # [N, V]
+    return logp_all.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+
+def naive_logprobs_entropy(hidden, weight, bias, targets, temperature: float = 1.0):
+    """Reference for `fused_logprobs_entropy`, same arguments: materialises the whole [N, V] fp32 logits."""
+    logits = F.linear(hidden.float(), weight.float(), None if bias is None else bias.float())  # [N, V]
+    return naive_logprobs_entropy_from_logits(logits, targets, temperature)
+
+
+# Elementwise work on a chunk's logits runs over row blocks of about this many floats (64 MiB), so that the
+# chunk's [c, V] logits buffer is the only large tensor; the matmuls still see the whole chunk.
+_BLOCK_ELEMENTS = 1 << 24
+
+
+def _chunk_logits(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, temperature: float,
+                  out: torch.Tensor) -> torch.Tensor:
+    """(h @ w.T + b) / temperature in fp32, written into `out` [c, V] (reused across chunks: no fresh
+    allocation, and on CPU no page faults, per chunk)."""
+    if b is None:
+        torch.mm(h.float(), w.t(), out=out)
+    else:
+        torch.addmm(b, h.float(), w.t(), out=out)
+    if temperature != 1.0:
+        out.div_(temperature)
+    return out
+
+
+class _FusedLogprobEntropy(torch.autograd.Function):
+    """`fused_logprobs_entropy`. Extra memory: one [chunk, V] fp32 logits buffer, one [rows, V] block buffer
+    (64 MiB) and, in backward, the fp32 [V, H] weight gradient, instead of several [N, V] tensors."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            w = weight.float()  # no copy when the head is already fp32
+            b = None if bias is None else bias.float()
+            n, V = hidden.shape[0], w.shape[0]
+            rows = max(1, min(chunk_size, _BLOCK_ELEMENTS // V))
+            logits = torch.empty(min(chunk_size, n), V, dtype=torch.float32, device=hidden.device)  # [c, V]
+            block = torch.empty(rows, V, dtype=torch.float32, device=hidden.device)  # [rows, V]
+            logp = torch.empty(n, dtype=torch.float32, device=hidden.device)  # [N]
+            entropy = torch.empty_like(logp)  # [N]
+            lse = torch.empty_like(logp)  # [N] log-sum-exp of the (tempered) logits, reused by backward
+            for s in range(0, n, chunk_size):
+                e = min(s + chunk_size, n)
+                z = _chunk_logits(hidden[s:e], w, b, temperature, logits[:e - s])  # [c, V]
+                for r in range(0, e - s, rows):
+                    zr = z[r:r + rows]  # [r, V] view
+                    i = slice(s + r, s + r + zr.shape[0])  # the same tokens in the [N] outputs
+                    z_max = zr.amax(dim=1, keepdim=True)  # [r, 1]
+                    zr.sub_(z_max)  # shifted logits <= 0: exp cannot overflow
+                    q = torch.exp(zr, out=block[:zr.shape[0]])  # unnormalised probabilities
+                    total = q.sum(dim=1)  # [r]
+                    log_total = torch.log(total)
+                    logp[i] = zr.gather(1, targets[i].unsqueeze(1)).squeeze(1) - log_total
+                    # H = -sum_v p_v (z_v - log_total) = log_total - sum_v q_v z_v / total; the product goes
+                    # in place into q (a bmm row-dot would also avoid a buffer but sums far less accurately)
+                    entropy[i] = log_total - q.mul_(zr).sum(dim=1) / total
+                    lse[i] = z_max.squeeze(1) + log_total
+            del logits, block
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.temperature = temperature
+        ctx.chunk_size = chunk_size
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
+            w = weight.float()
+            b = None if bias is None else bias.float()
+            n, V = hidden.shape[0], w.shape[0]
+            grad_h = torch.empty(hidden.shape, dtype=torch.float32, device=hidden.device) \
+                if need_h else None  # [N, H]
+            grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if need_w else None  # [V, H]
+            grad_b = torch.zeros(b.shape, dtype=torch.float32, device=b.device) if need_b else None  # [V]
+            g_lp = grad_logp.float().unsqueeze(1)  # [N, 1]
+            g_ent = grad_entropy.float().unsqueeze(1)  # [N, 1]
+            rows = max(1, min(chunk_size, _BLOCK_ELEMENTS // V))
+            logits = torch.empty(min(chunk_size, n), V, dtype=torch.float32, device=hidden.device)  # [c, V]
+            block = torch.empty(rows, V, dtype=torch.float32, device=hidden.device)  # [rows, V]
+            for s in range(0, n, chunk_size):
+                e = min(s + chunk_size, n)
+                h = hidden[s:e].float()  # [c, H]
+                z = _chunk_logits(h, w, b, temperature, logits[:e - s])  # [c, V]
+                for r in range(0, e - s, rows):
+                    zr = z[r:r + rows]  # [r, V] view
+                    i = slice(s + r, s + r + zr.shape[0])
+                    zr.sub_(lse[i].unsqueeze(1))  # log p_v
+                    p = torch.exp(zr, out=block[:zr.shape[0]])  # [r, V]
+                    # d logp_y / d z_v = 1[v = y] - p_v ;  d H / d z_v = -p_v (log p_v + H)
+                    # => grad_z = p * (-g_ent * (log p + H) - g_lp) + g_lp * onehot(y), built in place in z
+                    zr.add_(entropy[i].unsqueeze(1)).mul_(-g_ent[i]).sub_(g_lp[i]).mul_(p)
+                    zr.scatter_add_(1, targets[i].unsqueeze(1), g_lp[i])
+                if temperature != 1.0:
+                    z.div_(temperature)  # the logits were divided by T
+                if need_h:
+                    torch.mm(z, w, out=grad_h[s:e])
+                if need_w:
+                    grad_w.addmm_(z.t(), h)
+                if need_b:
+                    grad_b.add_(z.sum(dim=0))
+            del logits, block
+        grads = [None if g is None else g.to(x.dtype)
+                 for g, x in ((grad_h, hidden), (grad_w, weight), (grad_b, bias))]
+        return *grads, None, None, None  # in the inputs' dtypes
+
+
+def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           targets: torch.Tensor, temperature: float = 1.0,
+                           chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """log p(target) [N] and entropy [N] of softmax((hidden @ weight.T + bias) / temperature), chunk by chunk:
+    hidden [N, H], weight [V, H] (the LM head), bias [V] or None, targets [N] long. Forward keeps only each
+    token's log-sum-exp and entropy, backward recomputes each chunk's fp32 logits (also under autocast): no
+    [N, V] tensor is kept. Differentiable in hidden, weight and bias; no host sync."""
+    return _FusedLogprobEntropy.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size))
+
+
+def shared_prefix_len(rows: list[list[int]]) -> int:
+    """Length of the token prefix that all `rows` share, capped so every row keeps >= 1 token after it.
+
+    Host lists, so no device sync. Rendered from one template, all rows of an env start with the same system
+    prompt and instructions (132 of ~235 tokens in a 1-turn Sokoban window of the tiny tokenizer);
+    token_logprobs(prefix_len=) runs that part once instead of once per row."""
+    n = min(map(len, rows), default=1) - 1
+    for r in rows[1:]:
+        n = next((k for k in range(n) if r[k] != rows[0][k]), n)
+    return max(0, n)
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The name of `model.base_model`'s KV-cache argument and output: `cache` in transformers >= 5.2x
+    (`past_key_values` is deprecated there, removed in 5.40), `past_key_values` in 4.x and early 5.x."""
+    return "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float = 1.0, fused: bool = True, chunk_size: int = 1024, prefix_len: int = 0,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies [B, T] (the module docstring's convention) of a Hugging Face causal
+    LM. `fused=False`, the plain path: `model(...).logits` through a log-softmax. `fused=True`:
+    `model.base_model`'s hidden states through `fused_logprobs_entropy` with the head of
+    `model.get_output_embeddings()`. `model` may also be a TokenLogprobs, or DDP around one.
+
+    `prefix_len=P > 0` (fused only): the first P tokens are the same, unpadded, in every row
+    (`shared_prefix_len`); the backbone runs them once and the B rows run the rest on that prefix's cache, at
+    (T - P) / T of the backbone cost, with the plain path's values and gradients (tested).
+    `positions` [B, T] (0/1 or bool, best on the CPU: no device sync): the tokens the caller reads, typically
+    its loss mask; both outputs are 0 elsewhere and the fused path runs the LM head only there.
+    """
+    if isinstance(model, TokenLogprobs) or isinstance(getattr(model, "module", None), TokenLogprobs):
+        return model(input_ids, attention_mask, temperature, fused, chunk_size, prefix_len,
+                     positions)  # through DDP's forward
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError("token_logprobs got DistributedDataParallel(model): wrap TokenLogprobs(model) "
+                         "instead, or its gradients are never all-reduced (see TokenLogprobs)")
+    B, T = input_ids.shape
+    targets = input_ids[:, 1:].reshape(-1)  # [B*(T-1)]
+    # [K] flat indices into the B*(T-1) predicted tokens that the caller reads (all without `positions`)
+    keep = None if positions is None else \
+        positions[:, 1:].reshape(-1).nonzero().squeeze(1).to(input_ids.device)
+    if model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
+        prefix_len = 0  # activation checkpointing runs without a cache (transformers turns use_cache off)
+    if fused:
+        if prefix_len > 0:  # one row runs the shared prefix; the B rows run the rest on its cache, repeated
+            # inside the autograd graph (the prefix receives the sum of the rows' gradients)
+            from transformers import DynamicCache  # explicit: given none, transformers 4.x returns a tuple
+            kw = cache_keyword(model)
+            pre = model.base_model(input_ids=input_ids[:1, :prefix_len], use_cache=True,
+                                   **{kw: DynamicCache()})
+            pre[kw].batch_repeat_interleave(B)
+            rest = model.base_model(input_ids=input_ids[:, prefix_len:], attention_mask=attention_mask,
+                                    use_cache=True, **{kw: pre[kw]}).last_hidden_state  # [B, T-P, H]
+            hidden = torch.cat([pre.last_hidden_state.expand(B, -1, -1), rest], dim=1)  # [B, T, H]
+        else:
+            hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                      use_cache=False).last_hidden_state  # [B, T, H]
+        head = model.get_output_embeddings()
+        bias = getattr(head, "bias", None)
+        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # [B*(T-1), H] predicts tokens 1..T-1
+        if keep is None:
+            logp, entropy = fused_logprobs_entropy(h, head.weight, bias, targets, temperature, chunk_size)
+        else:  # the head on the K kept rows only, scattered back into zeros
+            lp, ent = fused_logprobs_entropy(h.index_select(0, keep), head.weight, bias,
+                                             targets.index_select(0, keep), temperature, chunk_size)  # [K]
+            logp = lp.new_zeros(h.shape[0]).index_copy(0, keep, lp)  # [B*(T-1)]
+            entropy = ent.new_zeros(h.shape[0]).index_copy(0, keep, ent)
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                       use_cache=False).logits  # [B, T, V]
+        logp, entropy = naive_logprobs_entropy_from_logits(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                           targets, temperature)
+        if keep is not None:
+            sel = torch.zeros_like(logp).index_fill(0, keep, 1.0)  # [B*(T-1)]
+            logp, entropy = logp * sel, entropy * sel
+    logp = F.pad(logp.view(B, T - 1), (1, 0))  # [B, T], column 0 = 0
+    entropy = F.pad(entropy.view(B, T - 1), (1, 0))
+    return logp, entropy
+
+
+class TokenLogprobs(torch.nn.Module):
+    """`token_logprobs(model, ...)` as a module's forward, the thing to wrap in DistributedDataParallel.
+
+    DDP all-reduces gradients only for work done inside its own forward. The fused path reaches past the
+    model's forward (to `model.base_model` and its head), so on DDP(model).module every rank would silently
+    keep its own gradient; DDP(TokenLogprobs(model)) puts the whole path inside DDP's forward.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:  # token_logprobs' after `model`
+        return token_logprobs(self.model, *args, **kwargs)

