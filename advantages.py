@@ -1,11 +1,9 @@
-"""Advantages for StarPO (paper section 2.2, Appendix A): where the trajectory reward sits, GAE for PPO, and
-group-normalised scores for GRPO.
+"""Advantages for StarPO (paper section 2.2, Appendix A): GRPO's group-normalised scores, PPO's GAE.
 
-The objective is trajectory-level, J = E_{M, tau ~ pi}[R(tau)]: one whole multi-turn interaction (prompt,
-every reply, every environment message) is one training sequence, and PPO and GRPO differ only in how that
-sequence's token-level advantage is estimated. Appendix C.2: gamma = lambda = 1. A row of a [B, T] tensor
-holds one trajectory, right-padded, and `mask[:, t] == 1` exactly on the tokens the policy sampled, which the
-rollout recorded (never found from token ids). Read next: starpo.py, where the advantages meet the loss.
+The objective is trajectory-level, J = E[R(tau)]: a whole multi-turn interaction is one training sequence, and
+PPO and GRPO differ only in how its token-level advantage is estimated (Appendix C.2: gamma = lambda = 1). A
+row of a [B, T] tensor is one trajectory, right-padded; `mask[:, t] == 1` exactly on the tokens the policy
+sampled, as the rollout recorded them. Next: starpo.py, where the advantages meet the loss.
 """
 
 from __future__ import annotations
@@ -16,39 +14,30 @@ import torch
 
 
 def place_reward_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each trajectory's total reward on its last sampled token, 0 elsewhere (J = E[R(tau)]).
-
-    scores: [B] total reward of each trajectory (env rewards + format penalties); mask: [B, T].
-    A row with no sampled token gets all zeros (its reward cannot be credited to any action)."""
+    """Each trajectory's reward scores [B] on its last sampled token, 0 elsewhere -> [B, T] (a row with no
+    sampled token: all zeros)."""
     sampled = mask > 0  # [B, T]
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)  # [B, T]
     last = torch.where(sampled, positions, -1).amax(dim=1)  # [B], -1 for an all-masked row
     dtype = scores.dtype if scores.is_floating_point() else torch.float32
     values = torch.where(last >= 0, scores.to(dtype), 0.0)  # [B]
-    # scatter instead of boolean indexing: no host sync, and all-masked rows write a 0 to column 0
     out = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
     return out.scatter_(1, last.clamp(min=0).unsqueeze(1), values.unsqueeze(1))  # [B, T]
 
 
 def kl_penalized_rewards(token_rewards: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
                          mask: torch.Tensor, coef: float) -> torch.Tensor:
-    """StarPO's KL for PPO as the paper ran it (RAGEN's apply_kl_penalty, `kl_penalty: kl`): every trained
-    token pays coef x (old_logp - ref_logp), the k1 estimate of KL(pi_old || pi_ref), in its reward; GAE then
-    spreads it. All [B, T]; 0 outside the mask."""
+    """StarPO's KL for PPO as the paper ran it (RAGEN's apply_kl_penalty): each trained token's reward pays
+    coef x (old_logp - ref_logp), the k1 estimate of KL(pi_old || pi_ref). All [B, T]."""
     return token_rewards - coef * torch.where(mask > 0, old_logp.float() - ref_logp.float(), 0.0)
 
 
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
         lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over the sampled tokens of multi-turn sequences (Appendix A).
-
-    token_rewards, values, mask: [B, T]; values[:, t] is the critic's value of the state just before token t.
-    Tokens outside the mask are skipped: their value and TD error do not enter the recursion, so the chain
-    runs from the last reply token of one turn straight to the first reply token of the next, across the
-    environment message in between. After a row's last sampled token the next value is 0 (the episode ended).
-    -> (advantages [B, T], 0 outside the mask (verl carries its running value there), returns = advantages +
-    values). Whitening is separate (`whiten`), as in verl. A reward outside the mask is an error (verl drops
-    it silently)."""
+    """Generalised advantage estimation (Appendix A) over the sampled tokens: [B, T] rewards, values (of the
+    state before each token) and mask. The chain skips the tokens outside the mask, running from a turn's last
+    reply token across the environment's message to the next turn's first; after a row's last sampled token
+    the next value is 0. -> (advantages, 0 off the mask; returns = advantages + values)."""
     sampled = mask > 0  # [B, T]
     if bool(((token_rewards != 0) & ~sampled).any()):
         raise ValueError("token_rewards has non-zero entries outside mask; rewards must sit on sampled "
@@ -72,9 +61,7 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Masked whitening over the whole batch, as verl whitens PPO's advantages: mean 0, std 1 over the tokens
-    where mask == 1 (unbiased variance), x' = (x - mean) / sqrt(var + eps); 0 outside the mask. Needs at
-    least two sampled tokens."""
+    """verl's whitening of PPO's advantages over the batch: mean 0, std 1 (unbiased) on the mask, 0 off it."""
     sampled = mask > 0
     count = int(sampled.sum())
     if count < 2:
@@ -87,12 +74,9 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
 
 def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence, eps: float = 1e-6,
                     norm_by_std: bool = True) -> torch.Tensor:
-    """GRPO's critic-free advantage (section 2.2): (score - group mean) / (group std + eps).
-
-    scores: [B] trajectory rewards; group_ids: [B] (ints, or any sequence of hashables) marking the rollouts
-    of the same prompt. The std is the unbiased one, as verl and RAGEN compute it. A group of one gets 0: with
-    no group-mates there is no baseline (verl gives it its raw score / (1 + eps)). `norm_by_std=False` is
-    Dr.GRPO's mean-only version. -> [B]; `broadcast_to_tokens` spreads it over the sampled tokens."""
+    """GRPO's critic-free advantage (section 2.2): (score - group mean) / (group std + eps), the std unbiased
+    as verl's. scores [B]; group_ids [B] (any hashables) mark the rollouts of one prompt. A group of one gets
+    0: no baseline (verl: its raw score). `norm_by_std=False`: Dr.GRPO's mean-only version. -> [B]."""
     if isinstance(group_ids, torch.Tensor):
         _, inverse = torch.unique(group_ids.to(scores.device), return_inverse=True)  # [B] in 0..G-1
     else:
@@ -113,5 +97,5 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence, ep
 
 
 def broadcast_to_tokens(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Spread one advantage per row [B] over its sampled tokens: adv[:, None] * mask -> [B, T]."""
+    """One advantage per row [B] on its sampled tokens -> [B, T]."""
     return adv.float().unsqueeze(1) * mask.float()

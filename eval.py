@@ -4,13 +4,9 @@
     python eval.py --envs sokoban,sokoban-newvocab,sokoban-large --policy tiny --json out.json
     python eval.py --env frozenlake --policy random     # the floor; --policy expert is the ceiling
 
-256 fixed prompts (seeds 123..378, envs.EVAL_SEEDS), one rollout each at temperature 0.5, the training turn and
-action budgets: the success rate with a 95% Wilson interval, actions, valid and effective action rates, format
-rate, tokens per turn. `--envs a,b,c` prints one markdown table (the paper's generalisation tables). A policy
-saved by train.py or sft_baseline.py is evaluated with the prompts it was trained on (its train_config.json)
-unless a flag says otherwise. `--samples K` pools K evals with sampling seeds SEED..SEED+K-1 on the same
-prompts and luck: its interval is for these prompts (conservative there), not for other rooms. Scripted agents
-run through the same rollout loop; the expert plans on a copy of the env that shares its slips.
+256 fixed prompts, one rollout each at temperature 0.5: the success rate with its 95% Wilson interval, actions,
+valid and effective actions, format. A policy saved by train.py or sft_baseline.py sees the prompts it was
+trained on. `--samples K` pools K evals of the same prompts: its interval is for these prompts only.
 """
 from __future__ import annotations
 
@@ -25,9 +21,10 @@ from pathlib import Path
 import torch
 
 from engine import cli
+from engine.checkpoint import saved_settings
 from envs import ENVS, EVAL_SEEDS
-from rollout import (ROLLOUT_KEYS, RolloutConfig, Trajectory, default_reply_tokens, dump, expert_agent,
-                     random_agent, rollout)
+from engine.agents import expert_agent, random_agent
+from rollout import ROLLOUT_KEYS, RolloutConfig, Trajectory, default_reply_tokens, dump, rollout
 
 SCRIPTED = ("random", "expert")
 
@@ -36,35 +33,28 @@ SCRIPTED = ("random", "expert")
 class Config:
     env: str = cli.flag("sokoban", "environment to evaluate on", choices=ENVS)
     envs: str | None = cli.flag(None, "comma-separated envs (instead of --env); prints one markdown table")
-    policy: str = cli.flag("tiny", "a run folder (its final/ or latest checkpoint), a model folder, a .gguf "
-                                   "file, a hub id, tiny, random or expert")
-    prompts: int = cli.flag(256, "how many of the fixed eval prompts (seeds 123..) to use, at most 256",
-                            lo=1, hi=256)
+    policy: str = cli.flag("tiny", "a run, a model folder, a .gguf file, a hub id, tiny, random or expert")
+    prompts: int = cli.flag(256, "how many of the fixed eval prompts to use", lo=1, hi=256)
     temperature: float = cli.flag(0.5, "sampling temperature (paper: 0.5); 0 = greedy", lo=0)
-    max_turns: int | None = cli.flag(None, "turns per episode (default: the policy's training value, else 5)",
-                                     lo=1)
-    max_actions_per_turn: int | None = cli.flag(None, "actions per turn (default: training value, else 5)", lo=1)
-    max_actions: int | None = cli.flag(None, "actions per episode (default: training value, else 10)", lo=1)
-    think: bool | None = cli.flag(None, "<think> before <answer> (default: the policy's training mode, else on)")
-    context_turns: int | None = cli.flag(None, "history window in turns, 0 = the whole conversation "
-                                               "(default: training)", lo=0)
-    max_new_tokens: int | None = cli.flag(None, "token budget per reply (default: the training value, else tiny "
-                                                "100, hub models 400, 500 on bandit)", lo=1)
-    batch: int = cli.flag(256, "episodes decoded together in one batch", lo=1)
+    max_turns: int | None = cli.flag(None, "turns per episode (default: as trained, else 5)", lo=1)
+    max_actions_per_turn: int | None = cli.flag(None, "actions per turn (default: as trained, else 5)", lo=1)
+    max_actions: int | None = cli.flag(None, "actions per episode (default: as trained, else 10)", lo=1)
+    think: bool | None = cli.flag(None, "<think> before <answer> (default: as trained, else on)")
+    context_turns: int | None = cli.flag(None, "history in turns, 0 = all (default: as trained)", lo=0)
+    max_new_tokens: int | None = cli.flag(None, "tokens per reply (default: as trained, else tiny 100, hub "
+                                                "models 400, 500 on bandit)", lo=1)
+    batch: int = cli.flag(256, "episodes decoded together", lo=1)
     seed: int = cli.flag(0, "sampling seed", lo=0, hi=cli.SEED_MAX)
-    samples: int = cli.flag(1, "rollouts per prompt, with sampling seeds SEED..SEED+K-1, pooled into one "
-                               "success rate and interval (paper: 1)", lo=1)
+    samples: int = cli.flag(1, "rollouts per prompt, pooled (paper: 1)", lo=1)
     device: str = cli.flag("auto", "auto, cpu, cuda or cuda:N")
-    threads: int = cli.flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)", lo=1)
-    webshop_data: str | None = cli.flag(None, "folder with the original WebShop files (default: the shipped "
-                                              "catalogue)")
-    json: str | None = cli.flag(None, "write the numbers to this new JSON file (an existing file is refused)")
+    threads: int = cli.flag(1, "CPU threads", lo=1)
+    webshop_data: str | None = cli.flag(None, "folder with the original WebShop files")
+    json: str | None = cli.flag(None, "write the numbers to this new JSON file (an existing one is refused)")
     dump: int = cli.flag(0, "print this many trajectories as readable text", lo=0)
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """95% Wilson score interval of a success rate k/n (sound at 0 and 1, unlike the normal approximation).
-    Figures in the docs round each end to 3 decimals, half away from zero (0.3064 -> 0.306)."""
+    """The 95% Wilson interval of k/n (sound at 0 and 1); the docs round its ends to 3 decimals."""
     if n == 0:
         return 0.0, 1.0
     p = k / n
@@ -74,7 +64,7 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def summarize(trajs: list[Trajectory], scripted: bool = False) -> dict:
-    """Success with its interval, actions, valid/effective action rates, response length, format rate."""
+    """Success with its interval, actions, valid and effective action rates, format, tokens per turn."""
     n = len(trajs)
     k = sum(t.success for t in trajs)
     lo, hi = wilson(k, n)
@@ -95,7 +85,7 @@ def summarize(trajs: list[Trajectory], scripted: bool = False) -> dict:
 
 
 def evaluate(env: str, rcfg: RolloutConfig, model=None, tokenizer=None, agent=None, prompts: int = 256,
-             seed: int = 0, batch: int = 256, env_overrides: dict | None = None) -> tuple[dict, list[Trajectory]]:
+             seed: int = 0, batch: int = 256, env_overrides: dict | None = None):
     """The first `prompts` (1..256) eval seeds, one rollout each, in batches; -> (metrics, trajectories)."""
     seeds = EVAL_SEEDS[:prompts]
     device = next(model.parameters()).device if model is not None else torch.device("cpu")
@@ -113,19 +103,20 @@ def evaluate(env: str, rcfg: RolloutConfig, model=None, tokenizer=None, agent=No
     return summarize(trajs, scripted=agent is not None), trajs
 
 
-def saved_rollout_settings(path: str | None, flag: str) -> dict:
-    """The rollout settings (ROLLOUT_KEYS) in the train_config.json a training run saved beside its policy."""
-    if path is None or not (Path(path) / "train_config.json").exists():
-        return {}
-    saved = cli.read_json(Path(path) / "train_config.json", flag)
-    return {k: saved[k] for k in ROLLOUT_KEYS if k in saved}
+def eval_metrics(env: str, rcfg: RolloutConfig, model, tok, prompts: int, seed: int, env_overrides: dict,
+                 path: Path | None = None, dumps: int = 0) -> dict:
+    """A training run's eval: eval/ metrics and time/eval, the first `dumps` episodes as text in `path`."""
+    t0 = time.time()
+    m, trajs = evaluate(env, rcfg, model, tok, prompts=prompts, seed=seed, env_overrides=env_overrides)
+    if path is not None:
+        path.write_text("".join(dump(t, tok) + "\n" for t in trajs[:dumps]))
+    return {**{f"eval/{k}": v for k, v in m.items() if k != "episodes"}, "time/eval": time.time() - t0}
 
 
 def rollout_config_for(policy_path: str | None, cfg: Config, env: str) -> RolloutConfig:
-    """Training's rollout settings saved beside the policy, then the flags typed here on top; a reply budget
-    neither gives is the model's default (rollout.default_reply_tokens)."""
+    """The rollout settings saved beside the policy, the flags typed here on top."""
     from engine.models import model_kind
-    values = saved_rollout_settings(policy_path, "--policy")
+    values = saved_settings(policy_path, ROLLOUT_KEYS, "--policy")
     values.update({k: getattr(cfg, k) for k in ROLLOUT_KEYS if getattr(cfg, k, None) is not None})
     values.setdefault("max_new_tokens", default_reply_tokens(model_kind(policy_path or "tiny"), env))
     return RolloutConfig(temperature=cfg.temperature, **values)
@@ -153,9 +144,9 @@ def main(argv=None):
             (not unknown, f"--envs: unknown env {', '.join(map(repr, unknown))}; allowed: "
                           f"{', '.join(sorted(ENVS))}"),
             (cfg.seed + cfg.samples - 1 <= cli.SEED_MAX,
-             f"--samples {cfg.samples}: with --seed {cfg.seed} the last sampling seed exceeds {cli.SEED_MAX}"),
+             f"--samples {cfg.samples}: with --seed {cfg.seed} the last seed exceeds {cli.SEED_MAX}"),
             (cfg.samples == 1 or cfg.policy != "expert",
-             f"--samples {cfg.samples}: the expert does not sample, every sample would repeat the first; use 1"),
+             f"--samples {cfg.samples}: the expert does not sample, every sample would be the first; use 1"),
             (cfg.samples == 1 or cfg.temperature > 0 or cfg.policy in SCRIPTED,
              f"--samples {cfg.samples}: --temperature 0 decodes greedily, every sample would repeat the "
              f"first; use 1 or a temperature above 0"),
@@ -172,7 +163,8 @@ def main(argv=None):
             model, tok, path = load_policy(run_policy(cfg.policy, "--policy"), device, flag_name="--policy")
         rcfgs = {env: rollout_config_for(path, cfg, env) for env in envs}
         for rcfg in rcfgs.values():  # the values saved beside the policy meet the flags' bounds too
-            cli.check(cli.bounds(replace(cfg, **{k: getattr(rcfg, k) for k in ROLLOUT_KEYS if hasattr(cfg, k)})))
+            saved = {k: getattr(rcfg, k) for k in ROLLOUT_KEYS if hasattr(cfg, k)}
+            cli.check(cli.bounds(replace(cfg, **saved)))
         positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         if positions is not None and rcfgs[envs[0]].max_new_tokens >= positions:
             raise ValueError(f"--max-new-tokens {rcfgs[envs[0]].max_new_tokens}: the model reads at most "
@@ -210,8 +202,9 @@ def main(argv=None):
           f"{cfg.temperature}, rollout: {asdict(rcfgs[envs[0]])}")
     print(table(rows))
     if cfg.json:
-        Path(cfg.json).write_text(json.dumps({"policy": cfg.policy, "results": rows,
-                                              "rollout": {env: asdict(r) for env, r in rcfgs.items()}}, indent=2))
+        rollouts = {env: asdict(r) for env, r in rcfgs.items()}
+        Path(cfg.json).write_text(json.dumps({"policy": cfg.policy, "results": rows, "rollout": rollouts},
+                                             indent=2))
     return rows
 
 

@@ -2,16 +2,12 @@
 
     python sft_baseline.py --env sokoban                    # tiny policy, CPU: full fine-tuning, minutes
     python eval.py --env sokoban --policy runs/sft-sokoban-s0
-    python sft_baseline.py --env sokoban --model Qwen/Qwen2.5-0.5B-Instruct    # the paper: LoRA 64/32, one GPU
+    python sft_baseline.py --env sokoban --model Qwen/Qwen2.5-0.5B-Instruct    # the paper's, one GPU
 
-One loop, top to bottom, in train.py's section order: the env's expert (Sokoban: the fewest-moves BFS;
-FrozenLake: the success-maximising policy) plays training and test trajectories on seeds that never meet the
-256 eval seeds, rendered by rollout.py exactly as RL rollouts are, so the loss mask is 1 exactly on the
-expert's reply tokens -> epochs of next-token cross-entropy on them (paper: 1,000 trajectories, 5 epochs,
-batches of 128; the tiny policy: docs/sft.md) -> one JSONL and one printed line per optimizer step -> the test
-loss after each epoch, the lowest kept -> LoRA merged -> a folder eval.py loads, and its eval. A curriculum of
-short examples comes first (each expert state alone); the expert makes ceil(max_actions / max_turns) moves per
-turn. Checkpoints every --save-every steps: --resume continues exactly. Deviations: docs/faithfulness.md.
+In train.py's sections: the env's expert plays trajectories on training seeds, rendered as RL rollouts are
+(the loss mask is 1 on its replies) -> epochs of cross-entropy on them (paper: 1,000 trajectories, 5 epochs,
+batches of 128, LoRA 64/32; the tiny policy's recipe, with a curriculum first: docs/sft.md) -> a JSONL and a
+printed line per step -> the test loss each epoch, the lowest kept -> LoRA merged -> a folder eval.py loads.
 """
 from __future__ import annotations
 
@@ -26,16 +22,18 @@ import numpy as np
 import torch
 
 from engine import cli
-from engine.checkpoint import read_checkpoint, read_metrics, resume_config, save_checkpoint, save_final
+from engine.checkpoint import (open_run, read_checkpoint, read_metrics, restore_models, resume_config,
+                               save_checkpoint, save_final)
 from engine.logprobs import shared_prefix_len, token_logprobs
 from engine.lora import add_lora, merge_lora
 from engine.models import autocast_dtype, load_model_and_env, model_kind, pick_device, setup_device
 from envs import ENVS, train_seeds
 from eval import evaluate
-from rollout import RolloutConfig, Segment, default_reply_tokens, dump, expert_agent, prefill, rollout
+from engine.agents import expert_agent
+from rollout import RolloutConfig, Segment, default_reply_tokens, dump, prefill, rollout
 from starpo import make_optimizer, pad_segments
 
-MODEL_DEFAULTS = {  # fields left at None: hub models the paper's (Appendix G), tiny what trains on a CPU
+MODEL_DEFAULTS = {  # for fields left at None: hub models the paper's (App. G), tiny what trains on a CPU
     "tiny": dict(train_trajectories=2800, epochs=3, lr=2e-3, adam_beta2=0.95, lora_rank=0, context_turns=1,
                  batch=16, micro_batch=16, short_steps=300),
     "hf": dict(train_trajectories=1000, epochs=5, lr=1e-4, adam_beta2=0.999, lora_rank=64, context_turns=0,
@@ -50,47 +48,45 @@ flag = cli.flag
 class Config:
     # ---- the paper's baseline (Appendix G)
     env: str = flag("sokoban", "environment", choices=ENVS)
-    train_trajectories: int | None = flag(None, "expert trajectories to train on (default: tiny 2,800, hub "
-                                                "models the paper's 1,000)", lo=1)
+    train_trajectories: int | None = flag(None, "expert trajectories (default: tiny 2,800, hub models 1,000)",
+                                          lo=1)
     test_trajectories: int = flag(100, "expert trajectories for the test loss (paper: 100)", lo=1)
-    expert_actions: int | None = flag(None, "expert moves per turn (default: ceil(max-actions / max-turns))")
+    expert_actions: int | None = flag(None, "expert moves per turn (default: max-actions / max-turns, up)")
     max_turns: int = flag(5, "turns per episode", lo=1)
     max_actions_per_turn: int = flag(5, "actions per turn", lo=1)
     max_actions: int = flag(10, "actions per episode", lo=1)
-    max_new_tokens: int | None = flag(None, "tokens per reply at eval (default: tiny 100; hub models RAGEN's "
-                                            "400, 500 on bandit)", lo=1)
+    max_new_tokens: int | None = flag(None, "tokens per reply at eval (default: tiny 100, hub models 400, "
+                                            "500 on bandit)", lo=1)
     format_penalty: float = flag(-0.1, "reward of a turn without a valid answer (eval)")
-    think: bool = flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
-    context_turns: int | None = flag(None, "history: 0 = the whole conversation, K = the last K turns "
-                                           "(default: tiny 1, hub models 0)", lo=0)
+    think: bool = flag(True, "<think>...</think> before <answer>")
+    context_turns: int | None = flag(None, "history: 0 = all, K = the last K turns (default: tiny 1, hub 0)",
+                                     lo=0)
     epochs: int | None = flag(None, "passes over the training data (default: tiny 3, hub models 5)", lo=1)
     batch: int | None = flag(None, "sequences per optimizer step (default: tiny 16, hub models 128)", lo=1)
     lr: float | None = flag(None, "peak learning rate (default: tiny 2e-3, hub models 1e-4)", gt=0)
-    adam_beta2: float | None = flag(None, "AdamW's beta2 (default: tiny 0.95, hub models torch's 0.999)",
-                                    lo=0, lt=1)
-    short_steps: int | None = flag(None, "curriculum: steps on the expert's states shown alone, each answered by "
-                                         "its reply, before the epochs (default: tiny 300, hub models 0)", lo=0)
+    adam_beta2: float | None = flag(None, "AdamW's beta2 (default: tiny 0.95, hub models 0.999)", lo=0, lt=1)
+    short_steps: int | None = flag(None, "curriculum steps on each expert state alone, before the epochs "
+                                         "(default: tiny 300, hub models 0)", lo=0)
     short_batch: int = flag(32, "sequences per step of the short examples", lo=1)
-    lora_rank: int | None = flag(None, "LoRA rank r, 0 = full fine-tuning (default: tiny 0, hub models 64)", lo=0)
-    lora_alpha: float = flag(32.0, "LoRA alpha (the update is scaled by alpha / r)", gt=0)
-    eval_every: int = flag(0, "also evaluate every this many epochs (0 = only the kept policy, at the end)", lo=0)
+    lora_rank: int | None = flag(None, "LoRA rank, 0 = full fine-tuning (default: tiny 0, hub models 64)",
+                                 lo=0)
+    lora_alpha: float = flag(32.0, "LoRA alpha", gt=0)
+    eval_every: int = flag(0, "also evaluate every this many epochs (0: only the kept policy)", lo=0)
     eval_prompts: int = flag(256, "eval prompts, <= 256", lo=1, hi=256)
     eval_temperature: float = flag(0.5, "eval sampling temperature (paper: 0.5)", lo=0)
     # ---- the run, the model
-    seed: int = flag(0, "seed of everything (data seeds, batch order, eval sampling)", lo=0, hi=cli.SEED_MAX)
-    out: str | None = flag(None, "run folder (default: runs/sft-ENV-sSEED); never overwritten but by "
-                                 "--overwrite")
+    seed: int = flag(0, "seed of everything", lo=0, hi=cli.SEED_MAX)
+    out: str | None = flag(None, "run folder (default: runs/sft-ENV-sSEED)")
     resume: str | None = flag(None, "continue the run in this folder from its last checkpoint")
-    overwrite: bool = flag(False, "replace the run already in --out (only the files a run writes)")
-    save_every: int = flag(100, "checkpoint every this many optimizer steps (0 = none)", lo=0)
+    overwrite: bool = flag(False, "replace the run in --out (only the files a run writes)")
+    save_every: int = flag(100, "checkpoint every this many optimizer steps (0: none)", lo=0)
     dump_trajectories: int = flag(3, "trajectories written as text at each eval", lo=0)
-    model: str = flag("tiny", "tiny (the shipped prior), a hub id such as Qwen/Qwen2.5-0.5B-Instruct, a "
-                              "folder or a .gguf file")
+    model: str = flag("tiny", "tiny (the shipped prior), a hub id, a folder or a .gguf file")
     device: str = flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
-    threads: int = flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)", lo=1)
-    micro_batch: int | None = flag(None, "sequences per forward/backward (default: tiny 16, hub models 4)", lo=1)
-    fused: bool = flag(True, "chunked log-probs that never build [B, T, V] logits (engine/logprobs.py)")
-    webshop_data: str | None = flag(None, "folder with the original WebShop files (default: the shipped one)")
+    threads: int = flag(1, "CPU threads", lo=1)
+    micro_batch: int | None = flag(None, "sequences per forward (default: tiny 16, hub models 4)", lo=1)
+    fused: bool = flag(True, "chunked log-probs, never [B, T, V] logits")
+    webshop_data: str | None = flag(None, "folder with the original WebShop files")
     steps: int = field(default=0, metadata={"derived": True})  # optimizer steps, from the data's size
 
 
@@ -98,21 +94,21 @@ RESUMABLE = {"device", "threads"}  # the flags a resumed run may change
 
 
 def derive(cfg: Config) -> Config:
-    """Per-model defaults, sizes that follow from the flags, and one-line errors for bad values."""
+    """Per-model defaults, and one-line errors for bad values."""
     kind = model_kind(cfg.model)  # tiny-sized folders get the tiny defaults too
     cli.fill_defaults(cfg, {**MODEL_DEFAULTS[kind], "max_new_tokens": default_reply_tokens(kind, cfg.env)})
     if cfg.expert_actions is None:  # the fewest moves per turn that let the expert use the whole budget
         cfg.expert_actions = min(cfg.max_actions_per_turn, -(-cfg.max_actions // max(1, cfg.max_turns)))
     cli.check(cli.bounds(cfg) + [
-        (1 <= cfg.expert_actions <= cfg.max_actions_per_turn, f"--expert-actions {cfg.expert_actions}: must be "
-                                                              f"in 1..{cfg.max_actions_per_turn} (--max-actions-per-turn)"),
-        (not cfg.webshop_data or cfg.env == "webshop", f"--webshop-data {cfg.webshop_data}: only for --env "
-                                                       f"webshop (this run: --env {cfg.env})")])
+        (1 <= cfg.expert_actions <= cfg.max_actions_per_turn,
+         f"--expert-actions {cfg.expert_actions}: must be in 1..{cfg.max_actions_per_turn} "
+         f"(--max-actions-per-turn)"),
+        (not cfg.webshop_data or cfg.env == "webshop", f"--webshop-data: only for --env webshop")])
     cfg.out = cfg.out if cfg.out is not None else f"runs/sft-{cfg.env}-s{cfg.seed}"
     return cfg
 
 
-# ----------------------------------------------------------------------------------------------- the data
+# ---- the data
 
 def data_seeds(seed: int, n_train: int, n_test: int) -> tuple[list[int], list[int]]:
     """Distinct training seeds (envs.train_seeds: never an eval seed) -> (train, test), disjoint."""
@@ -122,19 +118,18 @@ def data_seeds(seed: int, n_train: int, n_test: int) -> tuple[list[int], list[in
 
 def expert_trajectories(env: str, seeds: list[int], rcfg, tok, actions_per_turn: int,
                         env_overrides: dict | None = None):
-    """The expert's episodes rendered as rollouts: each segment's loss mask is 1 exactly on the reply tokens."""
-    return rollout(env, seeds, list(range(len(seeds))), rcfg, tokenizer=tok, agent=expert_agent(actions_per_turn),
-                   env_overrides=env_overrides)
+    """The expert's episodes, rendered as rollouts."""
+    return rollout(env, seeds, list(range(len(seeds))), rcfg, tokenizer=tok,
+                   agent=expert_agent(actions_per_turn), env_overrides=env_overrides)
 
 
 def short_examples(trajs, tok, rcfg) -> list:
-    """The curriculum's short examples: each state the expert met, shown alone ("State:\\n<grid>": no system
-    prompt, instructions or history), answered by the expert's own reply to it."""
+    """The curriculum: each state the expert met, alone ("State:\\n<grid>"), answered by its reply."""
     tag, out = prefill(rcfg), []
     for t in trajs:
         for turn in t.turns:
-            prompt = tok.apply_chat_template([{"role": "user", "content": f"State:\n{turn.obs}\n"}], tokenize=False,
-                                             add_generation_prompt=True) + tag
+            prompt = tok.apply_chat_template([{"role": "user", "content": f"State:\n{turn.obs}\n"}],
+                                             tokenize=False, add_generation_prompt=True) + tag
             ids = tok(prompt, add_special_tokens=False)["input_ids"]
             said = tok(turn.reply[len(tag):], add_special_tokens=False)["input_ids"]
             out.append(Segment(ids + said, [0] * len(ids) + [1] * len(said)))
@@ -142,37 +137,38 @@ def short_examples(trajs, tok, rcfg) -> list:
 
 
 def unknown_words(tok, trajs) -> list[str]:
-    """Words of the expert's replies that the tokenizer maps to <unk> (they would be trained as <unk>)."""
+    """Words of the expert's replies that the tokenizer maps to <unk> (a warning: they train as <unk>)."""
     if tok.unk_token_id is None:
         return []
-    texts = {re.sub(r"</?\w+>", " ", m["content"]) for t in trajs for m in t.messages if m["role"] == "assistant"}
+    texts = {re.sub(r"</?\w+>", " ", m["content"]) for t in trajs for m in t.messages
+             if m["role"] == "assistant"}
     words = {w for text in texts for w in re.findall(r"\w+", text)}  # words of the replies, tags removed
     return sorted(w for w in words if tok.unk_token_id in tok(" " + w, add_special_tokens=False)["input_ids"])
 
 
 def batch_of(cfg: Config, it: int, short: list, train_segs: list, per_epoch: int) -> tuple[int, int, list]:
-    """Step `it`'s sequences: the curriculum's short examples first (epoch -1), then the expert's sequences in
-    a permutation per epoch; every order derives from (seed, step or epoch), so a resumed run draws the same.
-    -> (epoch, step within it, segments)."""
+    """Step `it`'s (epoch, step in it, sequences): the curriculum (epoch -1), then a permutation per epoch,
+    each from (seed, step or epoch), so a resumed run draws the same."""
     if it < cfg.short_steps:
-        rows = torch.randperm(len(short), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 - it - 1))
-        return -1, it, [short[i] for i in rows[:cfg.short_batch].tolist()]
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 - it - 1)
+        rows = torch.randperm(len(short), generator=gen)[:cfg.short_batch].tolist()
+        return -1, it, [short[i] for i in rows]
     epoch, k = divmod(it - cfg.short_steps, per_epoch)
-    perm = torch.randperm(len(train_segs), generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch)
+    perm = torch.randperm(len(train_segs), generator=gen)
     return epoch, k, [train_segs[i] for i in perm[k * cfg.batch:(k + 1) * cfg.batch].tolist()]
 
 
-# ---------------------------------------------------------------------------------------------- the update
+# ---- the update
 
 def micro_batches(segs, micro: int):
-    """Length-sorted micro-batches (less padding; the summed gradient does not depend on the grouping)."""
+    """Length-sorted micro-batches (less padding; the summed gradient is the same)."""
     segs = sorted(segs, key=lambda s: len(s.input_ids))
     return [segs[i:i + micro] for i in range(0, len(segs), micro)]
 
 
 def masked_logprobs(policy, part, cfg: Config, pad_id: int, device, amp):
-    """One micro-batch of segments -> log-probs and entropies [b, T] (0 off the mask) and the loss mask [b, T]
-    (the header every row shares runs once; the LM head runs on the reply tokens only)."""
+    """A micro-batch -> log-probs, entropies and the mask, [b, T] each (the LM head on the replies only)."""
     ids, attn, mask_cpu = pad_segments(part, pad_id)  # [b, T] each, on the CPU
     ids, attn, mask = ids.to(device), attn.to(device), mask_cpu.to(device)
     pre = shared_prefix_len([s.input_ids for s in part])
@@ -182,9 +178,8 @@ def masked_logprobs(policy, part, cfg: Config, pad_id: int, device, amp):
 
 
 def sft_step(policy, opt, segs, cfg: Config, pad_id: int, device, amp) -> dict:
-    """One optimizer step on `segs`: token-mean cross-entropy on the mask, accumulated over micro-batches, each
-    micro-batch's summed NLL divided by the token count of the whole batch (so the accumulated gradient equals
-    one big batch's). Metrics stay tensors until the single host sync at the end."""
+    """One optimizer step on the token-mean cross-entropy, micro-batches each divided by the whole batch's
+    tokens (one big batch's gradient); one host sync."""
     n_tok = sum(sum(s.loss_mask) for s in segs)  # host ints: known before any forward
     nll_sum, ent_sum = torch.zeros((), device=device), torch.zeros((), device=device)
     for part in micro_batches(segs, cfg.micro_batch):
@@ -193,9 +188,10 @@ def sft_step(policy, opt, segs, cfg: Config, pad_id: int, device, amp) -> dict:
         (nll / n_tok).backward()
         nll_sum += nll.detach()
         ent_sum += (ent.detach().float() * mask).sum()
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], MAX_GRAD_NORM)
+    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad],
+                                               MAX_GRAD_NORM)
     finite = torch.isfinite(grad_norm) & torch.isfinite(nll_sum)
-    host = torch.stack([nll_sum / n_tok, ent_sum / n_tok, grad_norm.float(), finite.float()]).tolist()  # one sync
+    host = torch.stack([nll_sum / n_tok, ent_sum / n_tok, grad_norm.float(), finite.float()]).tolist()
     if host[3]:
         opt.step()
     opt.zero_grad(set_to_none=True)
@@ -205,7 +201,7 @@ def sft_step(policy, opt, segs, cfg: Config, pad_id: int, device, amp) -> dict:
 
 @torch.no_grad()
 def test_loss(policy, segs, cfg: Config, pad_id: int, device, amp) -> float:
-    """Token-mean cross-entropy of the policy on the mask of `segs` (the checkpoint criterion)."""
+    """The token-mean cross-entropy on `segs`: the kept checkpoint's criterion."""
     was_training = policy.training
     policy.eval()
     total = torch.zeros((), device=device)
@@ -217,8 +213,7 @@ def test_loss(policy, segs, cfg: Config, pad_id: int, device, amp) -> float:
 
 
 def lr_factor(step: int, steps: int) -> float:
-    """Linear warm-up over the first WARMUP_FRACTION of the steps, then a cosine from 1 towards 0 (the paper
-    states only the peak)."""
+    """A linear warm-up over the first 5% of the steps, then a cosine to 0 (the paper gives only the peak)."""
     warmup = max(1, round(WARMUP_FRACTION * steps))
     if step < warmup:
         return (step + 1) / warmup
@@ -229,7 +224,7 @@ def trainable_state(policy) -> dict[str, torch.Tensor]:  # put back with load_st
     return {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
 
 
-# ------------------------------------------------------------------------------------------------- main
+# ---- main
 
 def main(argv=None):
     # ---- 1. config and every input, checked before anything is written
@@ -241,23 +236,20 @@ def main(argv=None):
         start, state, ck = found or (0, None, None)
         kept_metrics = read_metrics(out / "metrics.jsonl", start) if found else []
         # ---- 2. the model (+ LoRA) and its optimizer
-        t_start = time.time()
-        device = pick_device(cfg.device)
+        t_start, device = time.time(), pick_device(cfg.device)
         setup_device(device, cfg.threads)
         policy, tok, path, env_kw = load_model_and_env(cfg, device)
     except ValueError as e:
         cli.fail(str(e))
     amp = autocast_dtype(device)
     if cfg.lora_rank > 0:
-        wrapped = add_lora(policy, cfg.lora_rank, cfg.lora_alpha)
-        print(f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} on {len(wrapped)} linear layers")
-    trainable = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    print(f"trainable parameters: {trainable:,} of {sum(p.numel() for p in policy.parameters()):,}")
+        torch.manual_seed(cfg.seed)  # the adapters' random init: the same in a run and its resumed copy
+        print(f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} on "
+              f"{len(add_lora(policy, cfg.lora_rank, cfg.lora_alpha))} linear layers")
     opt = make_optimizer(policy, cfg.lr, betas=(0.9, cfg.adam_beta2))
     rcfg = RolloutConfig.of(cfg, cfg.eval_temperature)
 
     # ---- 3. data: expert trajectories on training seeds (never eval seeds), train and test disjoint
-    t0 = time.time()
     train_s, test_s = data_seeds(cfg.seed, cfg.train_trajectories, cfg.test_trajectories)
     trajs = expert_trajectories(cfg.env, train_s + test_s, rcfg, tok, cfg.expert_actions, env_kw)
     train_trajs, test_trajs = trajs[:cfg.train_trajectories], trajs[cfg.train_trajectories:]
@@ -265,29 +257,21 @@ def main(argv=None):
     short = short_examples(train_trajs, tok, rcfg) if cfg.short_steps else []
     per_epoch = math.ceil(len(train_segs) / cfg.batch)
     cfg.steps = cfg.short_steps + cfg.epochs * per_epoch
-    n_tok, n_all = sum(sum(s.loss_mask) for s in train_segs), sum(len(s.input_ids) for s in train_segs)
-    print(f"expert data: {len(train_segs)} train / {len(test_segs)} test sequences from {len(train_trajs)} / "
-          f"{len(test_trajs)} trajectories (expert success {sum(t.success for t in train_trajs) / len(train_trajs):.3f}), "
-          f"{n_tok / len(train_segs):.1f} trained of {n_all / len(train_segs):.0f} tokens per sequence; "
-          f"{len(short)} short examples for {cfg.short_steps} curriculum steps; {time.time() - t0:.1f}s")
-    unknown = unknown_words(tok, trajs)
-    if unknown:
-        print(f"warning: the tokenizer has no tokens for {unknown} in the expert's replies: trained as <unk>")
+    print(f"expert data: {len(train_segs)} train, {len(test_segs)} test sequences (expert success "
+          f"{sum(t.success for t in train_trajs) / len(train_trajs):.3f}); {len(short)} short examples")
+    if unknown_words(tok, trajs):
+        print(f"warning: no tokens for {unknown_words(tok, trajs)} in the expert's replies: trained as <unk>")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.steps))
-    if cfg.overwrite and not cfg.resume:
-        cli.clear_run_folder(out)  # the inputs are good: only now is the earlier run replaced
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    metrics_path = open_run(out, asdict(cfg), start, kept_metrics, cfg.overwrite and not cfg.resume)
     print("config:", json.dumps(asdict(cfg)))
-    (out / "expert-trajectories.txt").write_text("".join(dump(t, tok) + "\n" for t in train_trajs[:cfg.dump_trajectories]))
-    metrics_path = out / "metrics.jsonl"
-    metrics_path.write_text("".join(line + "\n" for line in kept_metrics))
+    dumps = lambda ts: "".join(dump(t, tok) + "\n" for t in ts[:cfg.dump_trajectories])  # noqa: E731
+    (out / "expert-trajectories.txt").write_text(dumps(train_trajs))
     if state is None:
         initial_loss = test_loss(policy, test_segs, cfg, tok.pad_token_id, device, amp)
         best = {"loss": initial_loss, "epoch": 0, "state": trainable_state(policy)}  # epoch 0: as loaded
         print(f"test loss before training: {initial_loss:.4f}")
-    else:  # the weights (LoRA: the adapters), the optimizer, the schedule, the kept state
-        policy.load_state_dict(state["policy_lora"] or trainable_state_of(ck, device), strict=False)
+    else:  # the weights (LoRA: the adapters), the optimizer, the schedule, what was kept
+        restore_models(ck, state, policy, None, cfg.lora_rank > 0, f"--resume {out}")
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         initial_loss, best = state["initial_loss"], state["best"]
@@ -307,7 +291,7 @@ def main(argv=None):
             m.update(sft_step(policy, opt, segs, cfg, tok.pad_token_id, device, amp))
             sched.step()
             m["time/step"] = time.time() - t0
-            # 2. end of an epoch: the test loss (the lowest kept), an optional eval
+            # 2. at an epoch's end: the test loss (the lowest kept), an optional eval
             if epoch >= 0 and k == per_epoch - 1:
                 t1 = time.time()
                 m["test/loss"] = test_loss(policy, test_segs, cfg, tok.pad_token_id, device, amp)
@@ -318,8 +302,8 @@ def main(argv=None):
                     t2 = time.time()
                     em, _ = evaluate(cfg.env, rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
                                      env_overrides=env_kw)
-                    m.update({f"eval/{key}": v for key, v in em.items() if key != "episodes"})
-                    m["time/eval"] = time.time() - t2
+                    m.update({**{f"eval/{key}": v for key, v in em.items() if key != "episodes"},
+                              "time/eval": time.time() - t2})
             # 3. log, checkpoint
             m["time/iteration"] = time.time() - t0
             with open(metrics_path, "a") as f:
@@ -332,8 +316,9 @@ def main(argv=None):
             tqdm.write(line(m, cfg.steps))
     except KeyboardInterrupt:
         bar.close()
-        raise KeyboardInterrupt(f"at step {it + 1} (last checkpoint: {f'step {saved_at}' if saved_at else 'none yet'}"
-                                f"); continue with: python sft_baseline.py --resume {out}") from None
+        where = f"step {saved_at}" if saved_at else "none"
+        raise KeyboardInterrupt(f"at step {it + 1} (last checkpoint: {where}); continue with: python "
+                                f"sft_baseline.py --resume {out}") from None
     bar.close()
 
     # ---- 5. export: the lowest-test-loss parameters, LoRA merged, one final eval
@@ -342,31 +327,25 @@ def main(argv=None):
     policy.eval()
     save_final(out, policy, tok, cfg)
     t0 = time.time()
-    em, etrajs = evaluate(cfg.env, rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed, env_overrides=env_kw)
-    (out / "trajectories-final.txt").write_text("".join(dump(t, tok) + "\n" for t in etrajs[:cfg.dump_trajectories]))
+    em, etrajs = evaluate(cfg.env, rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
+                          env_overrides=env_kw)
+    (out / "trajectories-final.txt").write_text(dumps(etrajs))
     result = {"initial_test_loss": initial_loss, "best_epoch": best["epoch"], "best_test_loss": best["loss"],
               "lora_layers_merged": merged, **{f"eval/{key}": v for key, v in em.items()},
               "time/eval": time.time() - t0, "time/total": time.time() - t_start}
     (out / "result.json").write_text(json.dumps(result, indent=2))
     print(f"kept epoch {best['epoch']} (test loss {best['loss']:.4f}); eval success {em['success']:.3f} "
           f"[{em['success_lo']:.3f}, {em['success_hi']:.3f}] on {em['episodes']} prompts; "
-          f"total {result['time/total']:.0f}s")
-    print(f"final policy: {out / 'final'}")
+          f"total {result['time/total']:.0f}s\nfinal policy: {out / 'final'}")
     return out
-
-
-def trainable_state_of(ck: Path, device) -> dict:
-    """A full fine-tuning checkpoint's weights (its policy folder) as a state dict."""
-    from engine.models import load_policy
-    return load_policy(str(ck / "policy"), device, "--resume")[0].state_dict()
 
 
 def line(m: dict, steps: int) -> str:
     """The one printed line per optimizer step."""
-    keys = [("loss", "train/loss"), ("ent", "train/entropy"), ("gnorm", "train/grad_norm"), ("lr", "train/lr"),
-            ("test", "test/loss"), ("eval", "eval/success"), ("s", "time/iteration")]
-    parts = [f"step {m['step']}/{steps} ep {m['epoch']}"] + [f"{n} {m[k]:.3g}" for n, k in keys if m.get(k) is not None]
-    return " | ".join(parts)
+    keys = [("loss", "train/loss"), ("ent", "train/entropy"), ("gnorm", "train/grad_norm"),
+            ("lr", "train/lr"), ("test", "test/loss"), ("eval", "eval/success"), ("s", "time/iteration")]
+    return " | ".join([f"step {m['step']}/{steps} ep {m['epoch']}"] +
+                      [f"{n} {m[k]:.3g}" for n, k in keys if m.get(k) is not None])
 
 
 if __name__ == "__main__":

@@ -123,6 +123,46 @@ def resume_config(cls, cfg, explicit: set[str], allowed: set[str], dropped: tupl
     return cls(**{**saved, **{k: getattr(cfg, k) for k in explicit}, "out": cfg.resume})
 
 
+def restore_models(ck: Path, state: dict, policy, critic, lora: bool, flag: str) -> None:
+    """A resumed run's weights from its checkpoint `ck`: a LoRA run's adapters from state.pt (its frozen base is
+    the --model's; the critic's head beside its merged backbone), else the whole saved models."""
+    from engine.models import load_critic, load_policy
+    device = policy.device
+    if lora:
+        policy.load_state_dict(state["policy_lora"], strict=False)
+    else:
+        policy.load_state_dict(load_policy(str(ck / "policy"), device, flag)[0].state_dict())
+    if critic is not None and lora:
+        critic.value_head.load_state_dict(torch.load(ck / "critic" / "value_head.pt", map_location=device))
+        critic.load_state_dict(state["critic_lora"], strict=False)
+    elif critic is not None:
+        critic.load_state_dict(load_critic(str(ck / "critic"), device).state_dict())
+
+
+def open_run(out: Path, config: dict, start: int, kept_metrics: list[str], replace: bool) -> Path:
+    """Start writing a run folder, once every input is checked: an earlier run is cleared first (`replace`:
+    --overwrite, only the files a run writes), config.json written, the metrics lines of the steps before the
+    checkpoint kept and the text dumps after it removed. -> metrics.jsonl's path."""
+    if replace:
+        cli.clear_run_folder(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for old in out.glob("trajectories-*.txt"):  # dumps of steps after the checkpoint are written again
+        if old.stem.split("-")[1].isdigit() and int(old.stem.split("-")[1]) > start:
+            old.unlink()
+    metrics = out / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in kept_metrics))
+    return metrics
+
+
+def saved_settings(path: str | None, keys, flag: str) -> dict:
+    """The settings `keys` in the train_config.json that train.py or sft_baseline.py saved beside a policy."""
+    if path is None or not (Path(path) / "train_config.json").exists():
+        return {}
+    saved = cli.read_json(Path(path) / "train_config.json", flag)
+    return {k: saved[k] for k in keys if k in saved}
+
+
 def save_final(out: Path, policy, tok, cfg) -> None:
     """A plain save_pretrained folder (+ train_config.json: eval.py renders prompts the same way)."""
     final = out / "final"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -122,6 +123,16 @@ def parse(cls, argv=None, description: str = "", presets: dict | None = None, pr
         values.update(presets[given[preset_field]])
     values.update(given)
     return cls(**values), set(given)
+
+
+def default_out(cfg, explicit: set[str], base: str, named: tuple[str, ...] = ()) -> str:
+    """A run's default folder: `base`, the values of the `named` fields, and a digest of every other typed flag
+    that differs from its default (but --steps and the machine's), so that two commands never share one."""
+    same = {"steps", "device", "threads", "overwrite", "resume", "out", *named}
+    typed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+             if f.name in explicit - same and getattr(cfg, f.name) != f.default}
+    digest = hashlib.sha1(json.dumps(typed, sort_keys=True).encode()).hexdigest()[:6] if typed else ""
+    return "-".join(str(x) for x in (base, *(getattr(cfg, n) for n in named), digest) if x)
 
 
 def fill_defaults(cfg, defaults: dict) -> None:

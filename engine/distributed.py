@@ -148,3 +148,22 @@ def map_rows(fn, ids: torch.Tensor, attn: torch.Tensor, micro: int) -> torch.Ten
     my_ids, my_attn = ids[mine.start:mine.stop], attn[mine.start:mine.stop]
     parts = [fn(my_ids[j:j + micro], my_attn[j:j + micro]) for j in range(0, len(my_ids), micro)]
     return gather_rows(torch.cat(parts) if parts else torch.zeros(my_ids.shape, device=ids.device), len(ids))
+
+
+def micro_batches(n: int, micro: int, rank: int = 0, world: int = 1) -> list[list[int]]:
+    """Row indices of an n-row mini-batch that `rank` trains, micro-batch by micro-batch: rows rank,
+    rank + world, ... in groups of `micro`. Every rank gets ceil(ceil(n / world) / micro) micro-batches; a
+    rank with fewer rows gets empty lists at the end (starpo.update runs a zero-weight micro-batch there).
+    world = 1: consecutive slices, as a single process accumulates."""
+    mine = list(range(rank, n, world))
+    return [mine[j * micro:(j + 1) * micro] for j in range(math.ceil(math.ceil(n / world) / micro))]
+
+
+def no_sync(*modules) -> contextlib.ExitStack:
+    """Enter `no_sync()` of every DistributedDataParallel among `modules` (gradient accumulation: DDP then
+    all-reduces at the last backward only); others have none."""
+    stack = contextlib.ExitStack()
+    for module in modules:
+        if hasattr(module, "no_sync"):
+            stack.enter_context(module.no_sync())
+    return stack

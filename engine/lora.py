@@ -102,3 +102,15 @@ def plain_state_dict(model: nn.Module) -> dict | None:
 def adapter_state(model: nn.Module) -> dict:
     """The trained LoRA matrices (what a checkpoint needs, beside the frozen base, to resume exactly)."""
     return {k: v.detach().cpu() for k, v in model.state_dict().items() if ".lora_" in k}
+
+
+def apply_levers(models, rank: int, alpha: float, grad_checkpoint: bool, seed: int) -> None:
+    """train.py's memory levers on each model (the policy, the critic's backbone): LoRA adapters of `rank`
+    (0 = train every weight) with their random init seeded by `seed`, so that a run and its resumed copy
+    agree, and activation checkpointing per decoder layer."""
+    torch.manual_seed(seed)
+    for model in models:
+        if model is not None and rank:
+            add_lora(model, rank, alpha)
+        if model is not None and grad_checkpoint:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -68,6 +68,14 @@ def setup_device(device: torch.device, threads: int = 1, memory_cap: float | Non
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def memory_metrics(device) -> dict:
+    """CUDA: the allocator's peaks so far, allocated and reserved (GiB); nothing on a CPU."""
+    if device.type != "cuda":
+        return {}
+    return {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30,
+            "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2 ** 30}
+
+
 def _from_pretrained(cls, path, **kw):
     """fp32 weights on transformers 4.x (`torch_dtype`) and 5.x (`dtype`, whose default is the checkpoint's),
     without transformers 5's per-load progress bars (they buried the scripts' one-line messages)."""

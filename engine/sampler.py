@@ -344,3 +344,17 @@ def reference_generate(model, tokenizer, prompts: list[list[int]], max_new_token
                                position_ids=attn.sum(-1, keepdim=True) - 1, use_cache=True,
                                **{kw: out[kw]})
     return replies
+
+
+def make_sampler(model, tokenizer, rows: int, cfg):
+    """rollout.py's sampler of a turn's replies: the engine (RAGEN: vLLM) or, with `cfg.kv_cache=False` or an
+    architecture it does not know, the Hugging Face forward (the reference path, said once)."""
+    why = unsupported(model) if cfg.kv_cache else None
+    if cfg.kv_cache and not why:
+        engine = Engine(model, tokenizer, rows, graphs=cfg.cuda_graphs)
+        return lambda live, prompts, gen: engine.generate(live, prompts, cfg.max_new_tokens, cfg.temperature,
+                                                          gen)
+    if why:
+        say_once(f"note: the rollout engine does not know {why}: sampling with the Hugging Face forward")
+    return lambda live, prompts, gen: reference_generate(model, tokenizer, prompts, cfg.max_new_tokens,
+                                                         cfg.temperature, gen)

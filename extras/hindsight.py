@@ -16,6 +16,7 @@ iteration), what lifts RL from the SFT policy (docs/results.md).
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import replace
 
 import torch
@@ -24,7 +25,7 @@ from engine import distributed as dist
 from engine.logprobs import shared_prefix_len
 from envs import ENVS, SokobanEnv
 from rollout import RolloutConfig, Segment, expert_thought, rollout, trained_mask
-from starpo import Batch, UpdateConfig, make_optimizer, pad_segments, update
+from starpo import Batch, UpdateConfig, pad_segments, update
 
 
 def supported(env: str) -> bool:
@@ -55,11 +56,6 @@ def goal_env(env: str, overrides: dict, goal: tuple | None = None):
             return self._note([i for i in map(self._parse, moves) if i is not None])
 
     return GoalSokoban(**overrides)
-
-
-def make_imitation_optimizer(policy, lr: float):
-    """The imitation's own AdamW: a supervised step wants ~5x the RL step (betas as sft_baseline.py's tiny)."""
-    return make_optimizer(policy, lr, weight_decay=0.0, betas=(0.9, 0.95))
 
 
 def loop_free_turns(env, traj) -> list[int]:
@@ -168,11 +164,12 @@ def imitate(demos: list, passes: int, policy, opt, ucfg: UpdateConfig, pad_id: i
     return m
 
 
-def imitation_step(env: str, trajs: list, passes: int, demos: str, policy, opt, ucfg: UpdateConfig, tok,
-                   rcfg: RolloutConfig, env_overrides: dict, response_mask: bool, gen: torch.Generator,
-                   amp) -> dict:
-    """One iteration's imitation: the demos of its rollouts (`hindsight_demos`), then `passes` supervised
-    passes over them."""
-    demos = hindsight_demos(env, trajs, tok, rcfg, env_overrides, demos)
+def imitation_step(cfg, trajs: list, policy, opt, ucfg: UpdateConfig, tok, rcfg: RolloutConfig, env_overrides: dict,
+                   gen: torch.Generator, amp) -> dict:
+    """One iteration's imitation (train.py's step 4b): the demos of its rollouts (`hindsight_demos`), then
+    --hindsight-imitation supervised passes over them. -> metrics, time/imitation included."""
+    t0 = time.time()
+    demos = hindsight_demos(cfg.env, trajs, tok, rcfg, env_overrides, cfg.imitation_demos)
     policy.train()
-    return imitate(demos, passes, policy, opt, ucfg, tok.pad_token_id, response_mask, gen, amp)
+    m = imitate(demos, cfg.hindsight_imitation, policy, opt, ucfg, tok.pad_token_id, cfg.response_mask, gen, amp)
+    return {**m, "time/imitation": time.time() - t0}

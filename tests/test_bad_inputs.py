@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tools import bench  # noqa: E402
+from tools import bench, plot  # noqa: E402
 from tools import prior  # noqa: E402
 import eval as eval_py  # noqa: E402
 import sft_baseline  # noqa: E402
@@ -29,7 +29,7 @@ import train  # noqa: E402
 from extras import webshop  # noqa: E402
 
 SCRIPTS = {"train": train, "eval": eval_py, "sft": sft_baseline, "webshop": webshop, "bench": bench,
-           "prior": prior}
+           "prior": prior, "plot": plot}
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +120,8 @@ CASES = [
     ("train", ["--resume", "RUN"], "learning_rate_typo", "config-key"),
     ("train", ["--resume", "RUN"], "state.pt", "state"),
     ("train", ["--resume", "RUN"], "metrics.jsonl", "metrics"),
-    ("train", ["--plot", "TMP/none"], "--plot", None),
-    ("train", ["--plot", "RUN", "--plot-out", "TMP/none/x.png"], "--plot-out", "untouched"),
+    ("plot", ["TMP/none"], "no metrics.jsonl in it", None),
+    ("plot", ["RUN", "--out", "TMP/none/x.png"], "--out", "untouched"),
     ("train", ["--model", "TMP/broken-model", "--out", "TMP/r"], "broken-model/model.safetensors", None),
     ("eval", ["--policy", "/nonexistent/folder"], "--policy", None),
     ("eval", ["--envs", "sokoban,chess"], "chess", None),

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from engine import distributed as dist  # noqa: E402
-from starpo import micro_batches  # noqa: E402
+from engine.distributed import micro_batches  # noqa: E402
 
 ENV = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "MASTER_ADDR": "127.0.0.1"}
 

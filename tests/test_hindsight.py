@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from extras import hindsight as H  # noqa: E402
 from engine import models as policy  # noqa: E402
 import rollout as R  # noqa: E402
+from engine.agents import expert_agent, random_agent  # noqa: E402
 import starpo  # noqa: E402
 import envs  # noqa: E402
 from envs import make_env  # noqa: E402
@@ -34,7 +35,7 @@ def test_loop_free_turns_cut_every_return_to_a_visited_state():
     env = make_env("sokoban")
     rcfg = gcsl_rendering()
     trajs = R.rollout("sokoban", list(range(5000, 5016)), list(range(16)), rcfg,
-                      agent=R.random_agent(random.Random(1)))
+                      agent=random_agent(random.Random(1)))
     cut = 0
     for t in trajs:
         kept = H.loop_free_turns(env, t)
@@ -73,7 +74,7 @@ def test_hindsight_demos_replay_each_moving_rollout_as_a_success_with_rendered_r
     rcfg = gcsl_rendering()
     seeds = [6000 + g for g in range(8) for _ in range(4)]
     trajs = R.rollout("sokoban", seeds, [g for g in range(8) for _ in range(4)], rcfg, tokenizer=tok,
-                      agent=R.random_agent(random.Random(2)))
+                      agent=random_agent(random.Random(2)))
     demos = H.hindsight_demos("sokoban", trajs, tok, rcfg, {})
     sources = sources_and_goals(trajs)
     assert len(demos) == len(sources) >= 10 and all(d.success for d in demos)
@@ -96,7 +97,7 @@ def test_hindsight_demos_with_think_say_what_the_relabelled_board_shows(small):
     rcfg = gcsl_rendering(think=True)
     seeds = [6100 + g for g in range(8) for _ in range(4)]
     trajs = R.rollout("sokoban", seeds, [g for g in range(8) for _ in range(4)], rcfg, tokenizer=tok,
-                      agent=R.random_agent(random.Random(3)))
+                      agent=random_agent(random.Random(3)))
     demos = H.hindsight_demos("sokoban", trajs, tok, rcfg, {})
     sources = sources_and_goals(trajs)
     assert sum(goal is not None for _, goal, _ in sources) >= 5 and all(d.success for d in demos)
@@ -164,7 +165,7 @@ def test_imitate_takes_the_supervised_step(small):
     model, tok = copy.deepcopy(small[0]), small[1]
     rcfg = gcsl_rendering()
     trajs = R.rollout("sokoban", [7000, 7001, 7002], [0, 1, 2], rcfg, tokenizer=tok,
-                      agent=R.random_agent(random.Random(0)))
+                      agent=random_agent(random.Random(0)))
     demos = H.hindsight_demos("sokoban", trajs, tok, rcfg, {})
     rows = [s for d in demos for s in d.segments]
     assert 0 < len(rows) <= 64

@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 from engine import models as policy  # noqa: E402
 from tools import prior  # noqa: E402
 import rollout as R  # noqa: E402
+from engine.agents import expert_agent, random_agent  # noqa: E402
 import starpo  # noqa: E402
 from conftest import MICRO  # noqa: E402
 
@@ -145,7 +146,7 @@ def test_warm_up_also_models_the_observations(tmp_path):
         path = prior.ensure_tiny(str(tmp_path), progress=False, **{**cfg, "warmup": warmup})
         model, tok, _ = policy.load_policy(path)
         segs = [s for t in R.rollout("sokoban", list(range(5000, 5008)), list(range(8)), R.RolloutConfig(),
-                                     tokenizer=tok, agent=R.random_agent(random.Random(0)))
+                                     tokenizer=tok, agent=random_agent(random.Random(0)))
                 for s in t.segments]
         ids, attn, mask = starpo.pad_segments(segs, tok.pad_token_id)
         with torch.no_grad():

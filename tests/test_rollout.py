@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rollout as R  # noqa: E402
+from engine.agents import expert_agent, random_agent  # noqa: E402
 from envs import ENVS, make_env  # noqa: E402
 
 torch.set_num_threads(1)  # on 2-core machines, 2 threads made small-model forward+backward erratic and slower
@@ -181,7 +182,7 @@ def test_no_response_mask_trains_every_token_after_the_system_message(small):
     _, tok = small
     system = tok.apply_chat_template([{"role": "system", "content": R.SYSTEM_PROMPT}], tokenize=False)
     cfg = R.RolloutConfig(max_actions_per_turn=1)
-    trajs = R.rollout("sokoban", SEEDS[:4], [0, 1, 2, 3], cfg, tokenizer=tok, agent=R.random_agent(random.Random(0)))
+    trajs = R.rollout("sokoban", SEEDS[:4], [0, 1, 2, 3], cfg, tokenizer=tok, agent=random_agent(random.Random(0)))
     for tr in [t for t in trajs if len(t.turns) > 1]:
         s = tr.segments[0]
         assert R.trained_mask(s) == s.loss_mask and tok.decode(s.input_ids[:s.system_len]) == system
@@ -271,18 +272,18 @@ def test_context_window_gives_one_segment_per_turn(small, K):
 def test_random_agent_takes_only_valid_actions_on_every_env():
     cfg = R.RolloutConfig()
     for name in sorted(ENVS):
-        trajs = R.rollout(name, SEEDS, list(range(len(SEEDS))), cfg, agent=R.random_agent(random.Random(0)))
+        trajs = R.rollout(name, SEEDS, list(range(len(SEEDS))), cfg, agent=random_agent(random.Random(0)))
         assert all(t.format_ok for tr in trajs for t in tr.turns), name
         assert sum(tr.valid_actions for tr in trajs) == sum(tr.num_actions for tr in trajs) > 0, name
         assert all(tr.num_actions <= cfg.max_actions and len(tr.turns) <= cfg.max_turns for tr in trajs)
-    bandit = R.rollout("bandit", list(range(1000, 1200)), [0] * 200, cfg, agent=R.random_agent(random.Random(1)))
+    bandit = R.rollout("bandit", list(range(1000, 1200)), [0] * 200, cfg, agent=random_agent(random.Random(1)))
     assert all(tr.num_actions == 1 for tr in bandit)
     assert 0.4 < sum(tr.success for tr in bandit) / 200 < 0.6       # the arms uniformly
 
 
 def test_expert_agent_and_scripted_reply():
     cfg = R.RolloutConfig()
-    tr, = R.rollout("bandit", [1000], [0], cfg, agent=R.expert_agent())
+    tr, = R.rollout("bandit", [1000], [0], cfg, agent=expert_agent())
     assert tr.success and tr.turns[0].actions == ["Dragon"] and tr.turns[0].format_ok
     text = R.scripted_reply(["Up", "Left"], "a plan", cfg)
     assert R.parse_reply(R.prefill(cfg) + text, True, 5) == (["Up", "Left"], True)
@@ -306,14 +307,14 @@ def test_rollout_needs_exactly_one_of_model_or_agent(small):
     with pytest.raises(ValueError, match="exactly one"):
         R.rollout("sokoban", [1], [0], R.RolloutConfig())
     with pytest.raises(ValueError, match="exactly one"):
-        R.rollout("sokoban", [1], [0], R.RolloutConfig(), tokenizer=tok, model=model, agent=R.expert_agent())
+        R.rollout("sokoban", [1], [0], R.RolloutConfig(), tokenizer=tok, model=model, agent=expert_agent())
 
 
 def test_rollout_takes_env_objects_one_per_seed():
     """`env` may be one env object per seed (a wrapper, a relabelled room): the same episodes as by name."""
     cfg = R.RolloutConfig(max_turns=3)
-    by_name = R.rollout("sokoban", [2000, 2001], [0, 1], cfg, agent=R.expert_agent(2))
+    by_name = R.rollout("sokoban", [2000, 2001], [0, 1], cfg, agent=expert_agent(2))
     by_obj = R.rollout([make_env("sokoban"), make_env("sokoban")], [2000, 2001], [0, 1], cfg,
-                       agent=R.expert_agent(2))
+                       agent=expert_agent(2))
     assert [t.messages for t in by_name] == [t.messages for t in by_obj]
     assert [t.env for t in by_obj] == ["sokoban", "sokoban"]

@@ -23,7 +23,8 @@ from engine import models as policy  # noqa: E402
 from tools import prior  # noqa: E402
 import sft_baseline as sft  # noqa: E402
 from envs import EVAL_SEEDS, make_env  # noqa: E402
-from rollout import (RolloutConfig, expert_agent, header_text, prefill, rollout, turn_close,  # noqa: E402
+from engine.agents import expert_agent  # noqa: E402
+from rollout import (RolloutConfig, header_text, prefill, rollout, turn_close,  # noqa: E402
                      window_messages)
 
 torch.set_num_threads(1)
@@ -320,3 +321,39 @@ def test_smoke_run_exports_the_lowest_test_loss_and_eval_loads_it(tiny_path, tmp
     eval_py.main(["--env", "sokoban", "--policy", str(final), "--prompts", "4", "--json", str(tmp_path / "e.json")])
     got = json.loads((tmp_path / "e.json").read_text())["results"]["sokoban"]
     assert got["success"] == result["eval/success"] and got["num_actions"] == result["eval/num_actions"]
+
+
+@pytest.mark.parametrize("lora_rank", ["0", "4"])
+def test_an_interrupted_run_resumes_exactly(tiny_path, tmp_path, monkeypatch, lora_rank):
+    """Issue 53: Ctrl-C used to lose the whole run. A run stopped after its checkpoint at step 6 and resumed
+    with --resume logs what the uninterrupted run logs, keeps the same epoch, exports the same weights."""
+    common = ["--env", "sokoban", "--model", tiny_path, "--train-trajectories", "12", "--test-trajectories", "4",
+              "--epochs", "2", "--batch", "6", "--lr", "3e-3", "--context-turns", "1", "--eval-prompts", "4",
+              "--short-steps", "3", "--short-batch", "4", "--save-every", "3", "--lora-rank", lora_rank]
+    sft.main(common + ["--out", str(tmp_path / "a")])
+    calls, step = [0], sft.sft_step
+
+    def interrupted(*a, **k):  # Ctrl-C during step 8, after the checkpoint of step 6
+        calls[0] += 1
+        if calls[0] == 8:
+            raise KeyboardInterrupt
+        return step(*a, **k)
+    monkeypatch.setattr(sft, "sft_step", interrupted)
+    with pytest.raises(KeyboardInterrupt, match="last checkpoint: step 6"):
+        sft.main(common + ["--out", str(tmp_path / "b")])
+    monkeypatch.setattr(sft, "sft_step", step)
+    assert not (tmp_path / "b" / "final").exists()
+    with pytest.raises(SystemExit):
+        sft.main(["--resume", str(tmp_path / "b"), "--epochs", "3"])  # the schedule cannot change
+    sft.main(["--resume", str(tmp_path / "b")])
+    rows = {r: [json.loads(x) for x in (tmp_path / r / "metrics.jsonl").read_text().splitlines()] for r in "ab"}
+    assert [x["step"] for x in rows["b"]] == [x["step"] for x in rows["a"]]
+    for x, y in zip(rows["a"], rows["b"]):
+        assert {k: v for k, v in x.items() if not k.startswith("time/")} == \
+            {k: v for k, v in y.items() if not k.startswith("time/")}
+    ra, rb = (json.loads((tmp_path / r / "result.json").read_text()) for r in "ab")
+    assert {k: v for k, v in ra.items() if not k.startswith("time/")} == \
+        {k: v for k, v in rb.items() if not k.startswith("time/")}
+    from safetensors.torch import load_file
+    wa, wb = (load_file(tmp_path / r / "final" / "model.safetensors") for r in "ab")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

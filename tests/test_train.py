@@ -162,7 +162,7 @@ def test_a_trained_model_folder_lends_its_rendering_unless_a_flag_is_typed(tmp_p
     from engine import cli
     (tmp_path / "train_config.json").write_text(json.dumps({"context_turns": 1, "think": False, "lr": 3.0,
                                                             "max_new_tokens": 60}))
-    parse = lambda args: train.inherit_rendering(*cli.parse(train.Config, args))  # noqa: E731
+    parse = lambda args: train.inherit_rendering(*cli.parse(train.Config, args), train.ROLLOUT_KEYS)  # noqa
     cfg = parse(["--model", str(tmp_path)])
     assert (cfg.context_turns, cfg.think, cfg.max_new_tokens, cfg.lr) == (1, False, 60, None)  # rendering only
     assert "rollout settings of" in capsys.readouterr().out
@@ -180,7 +180,7 @@ def test_plot_writes_png(bandit_tiny, tmp_path):
                                           if i % 2 == 0 else {})} for i in range(1, 7)]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     png = tmp_path / "p.png"
-    run([str(ROOT / "train.py"), "--plot", str(tmp_path / "a"), str(tmp_path / "b"), "--plot-out", str(png)],
+    run([str(ROOT / "tools" / "plot.py"), str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(png)],
         tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
@@ -206,8 +206,8 @@ def test_paper_switches_in_config_and_help():
     hub = lambda env: parse(["--model", "Qwen/Qwen2.5-0.5B-Instruct", "--env", env]).max_new_tokens  # noqa: E731
     assert (d.max_new_tokens, hub("sokoban"), hub("bandit")) == (100, 400, 500)
     helptext = " ".join(train.cli.build_parser(train.Config, "").format_help().split())
-    for needle in ("StarPO: 0.001", "RAGEN's `kl`", "apply_kl_penalty", "Online-k", "RAGEN's seeding",
-                   "as the paper's runs did", "the paper's 1/|tau| form", "RAGEN's 400, 500 on bandit",
+    for needle in ("StarPO: 0.001", "RAGEN's `kl`", "with --preset starpo", "Online-k", "shared (RAGEN's)",
+                   "as the paper's runs did", "the paper's 1/|tau| form", "hub models 400/500",
                    "the paper's runs: 1"):
         assert needle in helptext, needle
     for action in train.cli.build_parser(train.Config, "")._actions:  # one default a flag, never "None"

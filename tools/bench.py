@@ -323,7 +323,8 @@ def bench_rollout(args) -> dict:
 
 def bench_prefix(args) -> dict:
     """Forward + backward of token_logprobs on one SFT batch with the shared prompt header run once vs per row."""
-    from rollout import RolloutConfig, expert_agent, rollout
+    from engine.agents import expert_agent
+    from rollout import RolloutConfig, rollout
     from engine.logprobs import shared_prefix_len, token_logprobs
     from starpo import pad_segments
     model, tok, path = _load(args)
@@ -367,7 +368,8 @@ def bench_prior(args) -> dict:
     """The untrained policy on every env: well-formed replies, valid actions, success, vs the random agent."""
     import random
     from envs import ENVS, EVAL_SEEDS
-    from rollout import RolloutConfig, random_agent, rollout
+    from engine.agents import random_agent
+    from rollout import RolloutConfig, rollout
     model, tok, path = _load(args)
     seeds = EVAL_SEEDS[:args.prior_episodes]
     groups = list(range(len(seeds)))
@@ -424,7 +426,8 @@ def _random_model(args, shapes: dict, tmp):
 
     from envs import train_seeds
     from tools.prior import build_tokenizer
-    from rollout import RolloutConfig, random_agent, rollout
+    from engine.agents import random_agent
+    from rollout import RolloutConfig, rollout
     from transformers import Qwen2Config, Qwen2ForCausalLM
     trajs = rollout("sokoban", train_seeds(0, 16), list(range(16)), RolloutConfig(),
                     agent=random_agent(random.Random(0)))

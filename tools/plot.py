@@ -1,6 +1,6 @@
 """The Echo Trap at a glance (paper section 4.1, Figure 4): one PNG of several runs' metrics.
 
-    python train.py --plot runs/a runs/b [--plot-out echo.png]
+    python tools/plot.py runs/a runs/b [--out echo.png]
 
 Reads each run folder's metrics.jsonl and config.json and draws the four signals the paper watches for the
 collapse (average reward, in-group reward std, grad norm, entropy) and eval success with its 95% interval;
@@ -14,7 +14,10 @@ import json
 import statistics
 from pathlib import Path
 
-from engine import cli
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for python tools/plot.py
+from engine import cli  # noqa: E402
 
 PLOT_KEYS = [("rollout/reward_mean", "average reward", None), ("rollout/in_group_std", "in-group reward std",
                                                                   "std_collapse"),
@@ -31,11 +34,11 @@ def read_runs(run_dirs: list[str]) -> dict[str, list[dict]]:
     for run in run_dirs:
         path = Path(run) / "metrics.jsonl"
         if not path.is_file():
-            raise ValueError(f"--plot {run}: no metrics.jsonl in it (is it a run folder?)")
+            raise ValueError(f"{run}: no metrics.jsonl in it (is it a run folder?)")
         try:
             runs[run] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         except (ValueError, OSError) as e:
-            raise ValueError(f"--plot {run}: {path} is not a metrics file ({e})") from None
+            raise ValueError(f"{run}: {path} is not a metrics file ({e})") from None
     return runs
 
 
@@ -44,8 +47,8 @@ def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
     the raw per-iteration trace faint, its running mean bold, eval points with their 95% intervals, and a marker
     where the Echo Trap monitor fired on that signal. Runs are labelled by the settings that differ between them."""
     runs = read_runs(run_dirs)
-    out_png = str(cli.writable_file(out_png or str(Path(run_dirs[0]) / "echo_trap.png"), "--plot-out"))
-    cfgs = {run: cli.read_json(Path(run) / "config.json", "--plot") if (Path(run) / "config.json").is_file() else {}
+    out_png = str(cli.writable_file(out_png or str(Path(run_dirs[0]) / "echo_trap.png"), "--out"))
+    cfgs = {run: cli.read_json(Path(run) / "config.json", run) if (Path(run) / "config.json").is_file() else {}
             for run in runs}
     keys = sorted({k for c in cfgs.values() for k in c} - PLOT_SAME)
     differ = [k for k in keys if len({json.dumps(c.get(k)) for c in cfgs.values()}) > 1]
@@ -94,3 +97,18 @@ def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
     return out_png
+
+
+def main(argv=None):
+    parser = cli.Parser(description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", help="run folders (each holds metrics.jsonl)")
+    parser.add_argument("--out", default=None, help="the PNG (default: FIRST_RUN/echo_trap.png)")
+    args = parser.parse_args(argv)
+    try:
+        print(plot_runs(args.runs, args.out))
+    except ValueError as e:
+        cli.fail(str(e))
+
+
+if __name__ == "__main__":
+    cli.run(main)

@@ -62,7 +62,8 @@ def tiny_envs() -> list[str]:
 
 def tiny_corpus(envs: list[str], episodes: int, seed: int):
     """Random-agent conversations (text only) for every env, think mode and history window."""
-    from rollout import RolloutConfig, rollout, random_agent
+    from engine.agents import random_agent
+    from rollout import RolloutConfig, rollout
     rng = random.Random(seed)
     for env in envs:
         for think in (True, False):
@@ -161,7 +162,8 @@ def warm_up(tok, data, model_cfg: dict, warmup: dict, progress: bool):
     `obs_weight` x mean NLL of the other real tokens (the observations and the template)."""
     from tqdm import tqdm
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    from rollout import RolloutConfig, rollout, random_agent
+    from engine.agents import random_agent
+    from rollout import RolloutConfig, rollout
     torch.manual_seed(warmup["seed"])
     cfg = Qwen2Config(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id, **model_cfg)
