@@ -1,9 +1,8 @@
 """Advantages for StarPO (paper section 2.2, Appendix A): GRPO's group-normalised scores, PPO's GAE.
 
-The objective is trajectory-level, J = E[R(tau)]: a whole multi-turn interaction is one training sequence, and
-PPO and GRPO differ only in how its token-level advantage is estimated (Appendix C.2: gamma = lambda = 1). A
-row of a [B, T] tensor is one trajectory, right-padded; `mask[:, t] == 1` exactly on the tokens the policy
-sampled, as the rollout recorded them. Next: starpo.py, where the advantages meet the loss.
+The objective is trajectory-level, J = E[R(tau)]: PPO and GRPO differ only in how a token's advantage is
+estimated (Appendix C.2: gamma = lambda = 1). A row of a [B, T] tensor is one trajectory, right-padded;
+`mask[:, t] == 1` exactly on the tokens the policy sampled. Next: starpo.py, where they meet the loss.
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ import torch
 
 
 def place_reward_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Each trajectory's reward scores [B] on its last sampled token, 0 elsewhere -> [B, T] (a row with no
-    sampled token: all zeros)."""
+    """Each reward scores [B] on its row's last sampled token, 0 elsewhere -> [B, T]."""
     sampled = mask > 0  # [B, T]
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)  # [B, T]
     last = torch.where(sampled, positions, -1).amax(dim=1)  # [B], -1 for an all-masked row
@@ -28,16 +26,14 @@ def place_reward_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torc
 def kl_penalized_rewards(token_rewards: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor,
                          mask: torch.Tensor, coef: float) -> torch.Tensor:
     """StarPO's KL for PPO as the paper ran it (RAGEN's apply_kl_penalty): each trained token's reward pays
-    coef x (old_logp - ref_logp), the k1 estimate of KL(pi_old || pi_ref). All [B, T]."""
+    coef x the k1 estimate (old_logp - ref_logp). All [B, T]."""
     return token_rewards - coef * torch.where(mask > 0, old_logp.float() - ref_logp.float(), 0.0)
 
 
 def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
         lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation (Appendix A) over the sampled tokens: [B, T] rewards, values (of the
-    state before each token) and mask. The chain skips the tokens outside the mask, running from a turn's last
-    reply token across the environment's message to the next turn's first; after a row's last sampled token
-    the next value is 0. -> (advantages, 0 off the mask; returns = advantages + values)."""
+    """GAE (Appendix A) over the sampled tokens, all [B, T]; the chain skips tokens off the mask (from a
+    turn's last reply token to the next turn's first). -> (advantages, returns = advantages + values)."""
     sampled = mask > 0  # [B, T]
     if bool(((token_rewards != 0) & ~sampled).any()):
         raise ValueError("token_rewards has non-zero entries outside mask; rewards must sit on sampled "
@@ -45,14 +41,14 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
     with torch.no_grad():
         rewards, vals = token_rewards.float(), values.float()
         B, T = mask.shape
-        next_value = torch.zeros(B, device=mask.device)  # [B] value of the next sampled token's state
-        running = torch.zeros(B, device=mask.device)  # [B] advantage of the next sampled token
+        next_value = torch.zeros(B, device=mask.device)  # [B] the next sampled token's value
+        running = torch.zeros(B, device=mask.device)  # [B] its advantage
         advantages = torch.zeros(B, T, device=mask.device)  # [B, T]
         for t in reversed(range(T)):
             delta = rewards[:, t] + gamma * next_value - vals[:, t]  # [B]
             adv_t = delta + gamma * lam * running  # [B]
             on = sampled[:, t]  # [B]
-            # where, not arithmetic: a non-finite value on a skipped token must not leak into the chain
+            # where, not arithmetic: a non-finite value off the mask must not leak into the chain
             running = torch.where(on, adv_t, running)
             next_value = torch.where(on, vals[:, t], next_value)
             advantages[:, t] = torch.where(on, adv_t, 0.0)
@@ -61,7 +57,7 @@ def gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, g
 
 
 def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """verl's whitening of PPO's advantages over the batch: mean 0, std 1 (unbiased) on the mask, 0 off it."""
+    """verl's whitening: mean 0, std 1 (unbiased) on the mask, 0 off it."""
     sampled = mask > 0
     count = int(sampled.sum())
     if count < 2:
@@ -74,9 +70,8 @@ def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tens
 
 def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence, eps: float = 1e-6,
                     norm_by_std: bool = True) -> torch.Tensor:
-    """GRPO's critic-free advantage (section 2.2): (score - group mean) / (group std + eps), the std unbiased
-    as verl's. scores [B]; group_ids [B] (any hashables) mark the rollouts of one prompt. A group of one gets
-    0: no baseline (verl: its raw score). `norm_by_std=False`: Dr.GRPO's mean-only version. -> [B]."""
+    """GRPO's critic-free advantage (section 2.2): (score - group mean) / (unbiased group std + eps). scores
+    [B], group_ids [B] (hashables). A group of one: 0 (verl: its raw score). norm_by_std=False: Dr.GRPO."""
     if isinstance(group_ids, torch.Tensor):
         _, inverse = torch.unique(group_ids.to(scores.device), return_inverse=True)  # [B] in 0..G-1
     else:

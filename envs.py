@@ -1,13 +1,10 @@
 """The paper's environments (section 3.1): Bandit, Sokoban, FrozenLake, as text in, text out.
 
-Every environment has one public shape: `name`, `actions`, `instruction`, `reset(seed, sample=0) -> text`,
-`step(action) -> (text, reward, done, info)`, `render()`, `expert_action()`, `done`. Bandit: one pull,
-stochastic payoff, risk-sensitive reasoning; Sokoban: many turns, deterministic, irreversible pushes;
-FrozenLake: many turns, slippery. The start comes from `reset(seed)`, the noise (payoffs, slips) from (seed,
-sample): the N rollouts of a group share both, as RAGEN seeds them. Evaluation uses 256 fixed prompts (section
-3.3, EVAL_SEEDS), which `train_seeds` never draws. The experts (Sokoban: a fewest-moves BFS; FrozenLake: the
-success-maximising policy) feed the SFT baseline. Rooms and maps come from engine/rooms.py (RAGEN's
-generators); WebShop, the fourth environment, is extras/webshop.py. Next: rollout.py.
+One shape: `name`, `actions`, `instruction`, `reset(seed, sample=0) -> text`, `step(action) -> (text,
+reward, done, info)`, `render()`, `expert_action()`, `done`. Bandit: one stochastic pull; Sokoban: many
+turns, irreversible pushes; FrozenLake: slippery. The start comes from `seed`, the noise from (seed, sample):
+a group's N rollouts share both, as in RAGEN. Eval uses 256 fixed prompts (section 3.3), never trained on.
+The experts feed the SFT baseline. Rooms: engine/rooms.py; WebShop: extras/webshop.py. Next: rollout.py.
 """
 from __future__ import annotations
 
@@ -16,13 +13,13 @@ import numpy as np
 from engine.rooms import DIRS, generate_lake, generate_sokoban_room, lake_next, lake_policy
 
 EVAL_SEEDS = list(range(123, 379))  # the paper's 256 fixed evaluation prompts (section 3.3)
-TRAIN_SEED_LOW, TRAIN_SEED_HIGH = 1000, 2**31  # training seeds live here, far from EVAL_SEEDS
+TRAIN_SEED_LOW, TRAIN_SEED_HIGH = 1000, 2**31  # far from EVAL_SEEDS
 
 
 def train_seeds(rng_or_seed, n: int) -> list[int]:
     """n distinct training seeds from [1000, 2**31), never one of EVAL_SEEDS."""
     rng = rng_or_seed if isinstance(rng_or_seed, np.random.Generator) else np.random.default_rng(rng_or_seed)
-    seeds: dict[int, None] = {}  # an ordered set: each seed at its first draw
+    seeds: dict[int, None] = {}  # an ordered set
     while len(seeds) < n:
         draw = rng.integers(TRAIN_SEED_LOW, TRAIN_SEED_HIGH, size=n - len(seeds))
         seeds.update(dict.fromkeys(draw.tolist()))
@@ -44,8 +41,8 @@ def _int_option(env_name: str, key: str, value, lo: int, hi: float = float("inf"
 
 
 class _TextEnv:
-    """The shared rules: reset before use, action words parsed, no step after the end. A subclass writes
-    `_start(seed, noise)`, `_render`, `_success`, `_apply(i)` and `expert_action`."""
+    """Shared rules: reset before use, no step after the end. A subclass writes `_start(seed, noise)`,
+    `_render`, `_success`, `_apply(i)` and `expert_action`."""
     name = ""
     actions: list[str] = []
 
@@ -65,7 +62,7 @@ class _TextEnv:
 
     def reset(self, seed: int, sample: int = 0) -> str:
         seed, sample = _int_option(self.name, "seed", seed, 0), _int_option(self.name, "sample", sample, 0)
-        self._start(seed, np.random.default_rng([seed, sample]))  # the start: seed; noise: (seed, sample)
+        self._start(seed, np.random.default_rng([seed, sample]))
         self.done, self._ready = False, True
         return self._render()
 
@@ -77,7 +74,7 @@ class _TextEnv:
     def step(self, action):
         self._require_live("step()")
         i = self._parse(action)
-        if i is None:  # an unknown word changes nothing and earns nothing
+        if i is None:  # an unknown word changes nothing
             info = {"success": self._success(), "action_is_valid": False, "action_is_effective": False}
             return self._render(), 0.0, False, info
         return self._apply(i)
@@ -108,7 +105,7 @@ class BanditEnv(_TextEnv):
 
     def _start(self, seed: int, noise: np.random.Generator):
         first, second = self.actions if np.random.default_rng(seed).random() < 0.5 else self.actions[::-1]
-        self._rng, self._obs, self._pulled = noise, f"Arms: {first}, {second}", None  # noise: the payoffs
+        self._rng, self._obs, self._pulled = noise, f"Arms: {first}, {second}", None
 
     def _render(self) -> str:
         return self._obs
@@ -129,7 +126,7 @@ class BanditEnv(_TextEnv):
 
     def expert_action(self) -> str:
         self._require_live("expert_action()")
-        return self.risky_name  # the higher mean (0.25 > 0.15), and the definition of success
+        return self.risky_name  # the higher mean (0.25 > 0.15)
 
 
 class BanditRevEnv(BanditEnv):
@@ -153,8 +150,7 @@ _SOKOBAN_WORDS = ("wall", "empty", "target", "box", "box on target", "player", "
 
 
 def _push(floor, player: int, boxes: tuple, off: int) -> tuple:
-    """(player, boxes) after a step of `off` cells, which may push one box; a step that pushes no box returns
-    the same `boxes` object."""
+    """(player, boxes) after a step of `off` cells, which may push a box (no push: the same `boxes`)."""
     q = player + off
     if not floor[q] or (q in boxes and (not floor[q + off] or q + off in boxes)):
         return player, boxes
@@ -162,7 +158,7 @@ def _push(floor, player: int, boxes: tuple, off: int) -> tuple:
 
 
 def sokoban_bfs(floor, width: int, targets, player: int, boxes: tuple) -> list[int] | None:
-    """A fewest-moves plan (indices of Up, Down, Left, Right) that puts every box on a target, or None."""
+    """A fewest-moves plan (action indices) that puts every box on a target, or None."""
     if all(b in targets for b in boxes):
         return []
     offsets = [dr * width + dc for dr, dc in DIRS]
@@ -173,11 +169,11 @@ def sokoban_bfs(floor, width: int, targets, player: int, boxes: tuple) -> list[i
         nxt = []
         for state in frontier:
             for a, off in enumerate(offsets):
-                child = _push(floor, *state, off)  # a blocked step gives `state`, already in parent
+                child = _push(floor, *state, off)
                 if child in parent:
                     continue
                 parent[child] = (state, a)
-                if child[1] is not state[1] and all(b in targets for b in child[1]):  # only a push can solve
+                if child[1] is not state[1] and all(b in targets for b in child[1]):
                     plan = []
                     while parent[child] is not None:
                         child, a = parent[child]
@@ -196,7 +192,7 @@ class SokobanEnv(_TextEnv):
 
     def __init__(self, **overrides):
         opts = _take_options(self.name, self.DEFAULTS, overrides)
-        self.size = _int_option(self.name, "size", opts["size"], 5, 8)  # the expert's BFS stays fast
+        self.size = _int_option(self.name, "size", opts["size"], 5, 8)  # the BFS stays fast
         self.num_boxes = _int_option(self.name, "num_boxes", opts["num_boxes"], 1, 2)
         self.search_depth = _int_option(self.name, "search_depth", opts["search_depth"], 2, 300)
         legend = ", ".join(f"{s} {w}" for s, w in zip(self.SYMBOLS, _SOKOBAN_WORDS))
@@ -205,13 +201,13 @@ class SokobanEnv(_TextEnv):
                             "moving in the same direction. You cannot push a box through a wall, and you "
                             "cannot pull a box.\n"
                             f"Symbols: {legend}\nActions: {', '.join(self.actions)}")
-        self._offsets = [dr * self.size + dc for dr, dc in DIRS]  # a move as a step in the flat board index
+        self._offsets = [dr * self.size + dc for dr, dc in DIRS]  # moves in the flat board
         super().__init__()
 
-    def _start(self, seed: int, noise):  # deterministic dynamics: the noise changes nothing
+    def _start(self, seed: int, noise):  # deterministic: no noise
         self._floor, self._targets, self._player, self._boxes = generate_sokoban_room(
             np.random.default_rng(seed), self.size, self.num_boxes, self.search_depth)
-        self._plans: dict = {}  # (player, boxes) -> the rest of an optimal plan, filled by expert_action
+        self._plans: dict = {}  # (player, boxes) -> the rest of an optimal plan
 
     def _on_target(self) -> int:
         return sum(b in self._targets for b in self._boxes)
@@ -240,29 +236,29 @@ class SokobanEnv(_TextEnv):
         return "\n".join("".join(symbol(c) for c in range(r * n, (r + 1) * n)) for r in range(n))
 
     def _cell(self, i: int) -> str:
-        return f"{i // self.size + 1} {i % self.size + 1}"  # row, column from 1 (top-left wall)
+        return f"{i // self.size + 1} {i % self.size + 1}"  # row, column from 1
 
     def describe(self) -> str:
-        """Where things are, in words ("player at 3 5, box at 4 4, target at 5 3"): the expert's thought."""
+        """In words ("player at 3 5, box at 4 4, target at 5 3"): the expert's thought."""
         self._require_live("describe()")
-        return ", ".join([f"player at {self._cell(self._player)}"] + [f"box at {self._cell(b)}" for b in
-                                                                       self._boxes]
+        return ", ".join([f"player at {self._cell(self._player)}"]
+                         + [f"box at {self._cell(b)}" for b in self._boxes]
                          + [f"target at {self._cell(t)}" for t in sorted(self._targets)])
 
     def expert_note(self) -> str:
-        """The expert's thought: where things are, its next push and where from ("...: I go to 4 5")."""
+        """The expert's thought: where things are, its next push ("...: I go to 4 5")."""
         return self._note(self._expert_plan() or [])
 
     def _note(self, plan: list[int]) -> str:
         note, push = self.describe(), self._first_push(plan)
         if push is not None:
             a, stand, box = push
-            which = f" at {self._cell(box)}" if len(self._boxes) > 1 else ""  # several boxes: name the one
+            which = f" at {self._cell(box)}" if len(self._boxes) > 1 else ""
             note += f". I push the box{which} {self.actions[a]}: I go to {self._cell(stand)}"
         return note
 
     def _first_push(self, plan: list[int]):
-        """(action, the player's cell before it, the box's cell) of the first move in `plan` that pushes."""
+        """(action, player's cell, box's cell) of the first push in `plan`."""
         player, boxes = self._player, self._boxes
         for a in plan:
             nxt = self._move(player, boxes, a)
@@ -272,13 +268,13 @@ class SokobanEnv(_TextEnv):
         return None
 
     def _expert_plan(self) -> list[int] | None:
-        """The rest of a fewest-moves plan from here (action indices), None if there is none."""
+        """The rest of a fewest-moves plan from here, or None."""
         state = (self._player, self._boxes)
         if state not in self._plans:
             plan = sokoban_bfs(self._floor, self.size, self._targets, *state)
             if plan is None:
                 self._plans[state] = None
-            else:  # every state along an optimal plan gets the rest of that plan
+            else:  # every state along the plan gets its rest
                 s = state
                 for i, a in enumerate(plan):
                     self._plans.setdefault(s, plan[i:])
@@ -327,12 +323,12 @@ class FrozenLakeEnv(_TextEnv):
 
     def _start(self, seed: int, noise: np.random.Generator):
         self._board, self._pos = generate_lake(np.random.default_rng(seed), self.size, self.p)
-        self._rng, self._policy = noise, None  # noise: the slips; the expert's policy when first asked
+        self._rng, self._policy = noise, None  # noise: the slips
 
     def _success(self) -> bool:
         return self._board[self._pos] == "G"
 
-    def _apply(self, a: int):  # gymnasium's slips: the intended or either perpendicular direction, 1/3 each
+    def _apply(self, a: int):  # gymnasium's slips: intended or either perpendicular, 1/3 each
         d = (a + int(self._rng.integers(3)) - 1) % 4 if self.slippery else a
         before = self._pos
         self._pos = lake_next(self.size, self._pos, d)
@@ -342,14 +338,14 @@ class FrozenLakeEnv(_TextEnv):
             "success": tile == "G", "action_is_valid": True, "action_is_effective": self._pos != before}
 
     def _render(self) -> str:
-        tiles, here = {"F": "_", "H": "O", "G": "G"}, {"F": "P", "H": "X", "G": "√"}  # here: player's cell
+        tiles, here = {"F": "_", "H": "O", "G": "G"}, {"F": "P", "H": "X", "G": "√"}
         return "\n".join("".join((here if (r, c) == self._pos else tiles)[self._board[r, c]]
                                  for c in range(self.size)) for r in range(self.size))
 
     def describe(self) -> str:
-        """Where things are, in words ("player at 1 2, goal at 4 4, hole at 2 2"): the expert's thought."""
+        """In words ("player at 1 2, goal at 4 4, hole at 2 2"): the expert's thought."""
         self._require_live("describe()")
-        cell = lambda rc: f"{rc[0] + 1} {rc[1] + 1}"  # noqa: E731  row, column from 1 at the top left
+        cell = lambda rc: f"{rc[0] + 1} {rc[1] + 1}"  # noqa: E731
         holes = [f"hole at {cell(rc)}" for rc in zip(*np.nonzero(self._board == "H"))]
         goal = tuple(int(x) for x in np.argwhere(self._board == "G")[0])
         return ", ".join([f"player at {cell(self._pos)}", f"goal at {cell(goal)}"] + holes)
@@ -366,7 +362,7 @@ class FrozenLakeEnv(_TextEnv):
 
 # ---- registry
 
-def _webshop(**overrides):  # the large fourth environment: imported only when a run asks for it
+def _webshop(**overrides):  # imported only when a run asks for it
     from extras.webshop import WebShopEnv
     return WebShopEnv(**overrides)
 
@@ -376,7 +372,7 @@ ENVS = {env.name: env for env in (BanditEnv, BanditRevEnv, BanditTestEnv, Sokoba
 
 
 def make_env(name: str, **overrides):
-    """A fresh environment by name; `overrides` change its options (a ValueError names what is allowed)."""
+    """A fresh environment by name; `overrides` change its options."""
     if not isinstance(name, str) or name not in ENVS:
         raise ValueError(f"unknown env {name!r}; allowed: {sorted(ENVS)}")
     return ENVS[name](**overrides)

@@ -4,9 +4,9 @@
     python eval.py --envs sokoban,sokoban-newvocab,sokoban-large --policy tiny --json out.json
     python eval.py --env frozenlake --policy random     # the floor; --policy expert is the ceiling
 
-256 fixed prompts, one rollout each at temperature 0.5: the success rate with its 95% Wilson interval, actions,
-valid and effective actions, format. A policy saved by train.py or sft_baseline.py sees the prompts it was
-trained on. `--samples K` pools K evals of the same prompts: its interval is for these prompts only.
+256 fixed prompts, one rollout each at temperature 0.5: success with its 95% Wilson interval, actions, valid
+and effective actions, format. A saved policy is evaluated with the rollout settings it was trained with.
+`--samples K` pools K evals of the same prompts: its interval is for these prompts only.
 """
 from __future__ import annotations
 
@@ -32,9 +32,9 @@ SCRIPTED = ("random", "expert")
 @dataclass
 class Config:
     env: str = cli.flag("sokoban", "environment to evaluate on", choices=ENVS)
-    envs: str | None = cli.flag(None, "comma-separated envs (instead of --env); prints one markdown table")
+    envs: str | None = cli.flag(None, "comma-separated envs (instead of --env): one markdown table")
     policy: str = cli.flag("tiny", "a run, a model folder, a .gguf file, a hub id, tiny, random or expert")
-    prompts: int = cli.flag(256, "how many of the fixed eval prompts to use", lo=1, hi=256)
+    prompts: int = cli.flag(256, "fixed eval prompts used", lo=1, hi=256)
     temperature: float = cli.flag(0.5, "sampling temperature (paper: 0.5); 0 = greedy", lo=0)
     max_turns: int | None = cli.flag(None, "turns per episode (default: as trained, else 5)", lo=1)
     max_actions_per_turn: int | None = cli.flag(None, "actions per turn (default: as trained, else 5)", lo=1)
@@ -43,18 +43,18 @@ class Config:
     context_turns: int | None = cli.flag(None, "history in turns, 0 = all (default: as trained)", lo=0)
     max_new_tokens: int | None = cli.flag(None, "tokens per reply (default: as trained, else tiny 100, hub "
                                                 "models 400, 500 on bandit)", lo=1)
-    batch: int = cli.flag(256, "episodes decoded together", lo=1)
+    batch: int | None = cli.flag(None, "episodes decoded together (default: 256, 128 on CUDA)", lo=1)
     seed: int = cli.flag(0, "sampling seed", lo=0, hi=cli.SEED_MAX)
     samples: int = cli.flag(1, "rollouts per prompt, pooled (paper: 1)", lo=1)
     device: str = cli.flag("auto", "auto, cpu, cuda or cuda:N")
     threads: int = cli.flag(1, "CPU threads", lo=1)
     webshop_data: str | None = cli.flag(None, "folder with the original WebShop files")
-    json: str | None = cli.flag(None, "write the numbers to this new JSON file (an existing one is refused)")
-    dump: int = cli.flag(0, "print this many trajectories as readable text", lo=0)
+    json: str | None = cli.flag(None, "write the numbers to this new JSON file")
+    dump: int = cli.flag(0, "print this many trajectories as text", lo=0)
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    """The 95% Wilson interval of k/n (sound at 0 and 1); the docs round its ends to 3 decimals."""
+    """The 95% Wilson interval of k/n (sound at 0 and 1)."""
     if n == 0:
         return 0.0, 1.0
     p = k / n
@@ -84,12 +84,17 @@ def summarize(trajs: list[Trajectory], scripted: bool = False) -> dict:
     }
 
 
+def eval_batch(device) -> int:  # CUDA: the KV cache of 128 rows fits beside training
+    return 128 if device.type == "cuda" else 256
+
+
 def evaluate(env: str, rcfg: RolloutConfig, model=None, tokenizer=None, agent=None, prompts: int = 256,
-             seed: int = 0, batch: int = 256, env_overrides: dict | None = None):
+             seed: int = 0, batch: int | None = None, env_overrides: dict | None = None):
     """The first `prompts` (1..256) eval seeds, one rollout each, in batches; -> (metrics, trajectories)."""
     seeds = EVAL_SEEDS[:prompts]
     device = next(model.parameters()).device if model is not None else torch.device("cpu")
-    gen = torch.Generator(device=device).manual_seed(seed)  # fresh per call: eval never moves training's RNG
+    batch = batch or eval_batch(device)
+    gen = torch.Generator(device=device).manual_seed(seed)  # eval never moves training's RNG
     trajs: list[Trajectory] = []
     was_training = model.training if model is not None else False
     if model is not None:
@@ -105,7 +110,7 @@ def evaluate(env: str, rcfg: RolloutConfig, model=None, tokenizer=None, agent=No
 
 def eval_metrics(env: str, rcfg: RolloutConfig, model, tok, prompts: int, seed: int, env_overrides: dict,
                  path: Path | None = None, dumps: int = 0) -> dict:
-    """A training run's eval: eval/ metrics and time/eval, the first `dumps` episodes as text in `path`."""
+    """A training run's eval: eval/ metrics, time/eval; the first `dumps` episodes as text in `path`."""
     t0 = time.time()
     m, trajs = evaluate(env, rcfg, model, tok, prompts=prompts, seed=seed, env_overrides=env_overrides)
     if path is not None:
@@ -162,7 +167,7 @@ def main(argv=None):
         if cfg.policy not in SCRIPTED:
             model, tok, path = load_policy(run_policy(cfg.policy, "--policy"), device, flag_name="--policy")
         rcfgs = {env: rollout_config_for(path, cfg, env) for env in envs}
-        for rcfg in rcfgs.values():  # the values saved beside the policy meet the flags' bounds too
+        for rcfg in rcfgs.values():  # saved values meet the flags' bounds too
             saved = {k: getattr(rcfg, k) for k in ROLLOUT_KEYS if hasattr(cfg, k)}
             cli.check(cli.bounds(replace(cfg, **saved)))
         positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
@@ -171,7 +176,7 @@ def main(argv=None):
                              f"{positions} positions")
         overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
         if "webshop" in envs:
-            ENVS["webshop"](**overrides)  # a bad data folder fails now, not after the other envs
+            ENVS["webshop"](**overrides)  # a bad data folder fails now
     except ValueError as e:
         cli.fail(str(e))
 
@@ -179,7 +184,7 @@ def main(argv=None):
     rows = {}
     for env in envs:
         rcfg, t0, trajs, per_sample = rcfgs[env], time.time(), [], []
-        for seed in range(cfg.seed, cfg.seed + cfg.samples):  # one whole eval per sampling seed
+        for seed in range(cfg.seed, cfg.seed + cfg.samples):  # one eval per sampling seed
             agent = None
             if cfg.policy == "random":
                 agent = random_agent(random.Random(seed))

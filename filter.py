@@ -1,22 +1,20 @@
 """StarPO-S's uncertainty filter (paper section 4.2): keep the prompt groups whose rollouts disagree the most.
 
-For every initial state (prompt) the policy samples N trajectories; the prompt's uncertainty is the std of
-their N rewards (unbiased, divide by N - 1: RAGEN's `rm_scores.std(dim=-1)`). Prompts are sorted by it and the
-top p% kept (p = 25%): a prompt's N trajectories enter or leave the update together. Section 4.1 says why: a
-collapsing in-group std is the Echo Trap's first warning, and a zero-std group carries no GRPO signal. Ties
-keep the lower group index (a stable sort; RAGEN leaves them to the backend); `int(keep * G)` truncates as
-RAGEN does. RAGEN's later rules (top_p, min_p, other scores): extras/filter_rules.py. Next: advantages.py.
+A prompt's uncertainty is the unbiased std of its N rollouts' rewards (RAGEN's `rm_scores.std(dim=-1)`); the
+top p% of prompts (p = 25%) are kept, each with all N rollouts. Why (section 4.1): a collapsing in-group std
+is the Echo Trap's first warning, and a zero-std group carries no GRPO signal. Ties keep the lower index (a
+stable sort). RAGEN's later rules: extras/filter_rules.py. Next: advantages.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-ZERO_STD = 1e-10  # a group whose reward std is at most this counts as zero-std (RAGEN's threshold)
+ZERO_STD = 1e-10  # RAGEN's zero-std threshold
 
 
 def check_groups(group_rewards: torch.Tensor) -> None:
-    """One clear ValueError for rewards that cannot be filtered: [G, N], G >= 1, N >= 2, finite."""
+    """A ValueError unless rewards are [G, N], G >= 1, N >= 2, finite."""
     if not isinstance(group_rewards, torch.Tensor) or group_rewards.dim() != 2:
         shape = tuple(group_rewards.shape) if isinstance(group_rewards, torch.Tensor) else type(group_rewards)
         raise ValueError(f"group_rewards must be a 2-D tensor [G, N], got {shape}")
@@ -31,11 +29,8 @@ def check_groups(group_rewards: torch.Tensor) -> None:
 
 def select_groups(group_rewards: torch.Tensor, keep: float = 0.25,
                   largest: bool = True) -> tuple[torch.Tensor, dict]:
-    """The paper's filter: the max(1, int(keep * G)) groups with the largest in-group reward std (or, with
-    `largest=False`, the smallest: the paper's reverse ablation); keep = 1.0 keeps every group.
-
-    group_rewards: [G, N] total reward of each of the N trajectories of each of the G prompts.
-    -> (keep_mask [G] bool, stats): see `group_stats`."""
+    """The max(1, int(keep * G)) groups with the largest in-group reward std (`largest=False`: the smallest,
+    the paper's ablation). group_rewards [G, N] -> (keep_mask [G] bool, `group_stats`)."""
     check_groups(group_rewards)
     if not 0 < keep <= 1:
         raise ValueError(f"keep must lie in (0, 1], got {keep}")
@@ -48,11 +43,7 @@ def select_groups(group_rewards: torch.Tensor, keep: float = 0.25,
 
 
 def group_stats(std: torch.Tensor, keep_mask: torch.Tensor, score: torch.Tensor) -> dict:
-    """What a filter logs (rule 7: every filter says what it dropped): in_group_std and in_group_std_max (over
-    all G groups), chosen_in_group_std (over the kept ones, 0 if none), filter_kept (the share kept),
-    zero_std_groups and all_zero_std (no group has a reward spread: GRPO's advantages would all be 0),
-    kept_groups and dropped_groups (indices), empty_selection, zero_score_groups and chosen_score (the score
-    the groups were ranked by: the std here)."""
+    """What a filter logs, what it dropped included; all_zero_std: GRPO's advantages would all be 0."""
     kept = int(keep_mask.sum())
     zero = std <= ZERO_STD
     return {

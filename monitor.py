@@ -1,11 +1,9 @@
 """The Echo Trap monitor (paper section 4.1): the early-warning signals of a collapsing multi-turn RL run.
 
-The paper's order of events: the in-group reward std collapses first (every rollout of a prompt earns the
-same), then the gradient norm spikes and the entropy swings, and the policy repeats one template. `echo_check`
-watches those signals on each iteration's metrics and says which fired; `train.py --stop-on-collapse` ends the
-run there. The paper plots the signals; the thresholds that turn them into warnings are this codebase's
-(measured against healthy and collapsing runs: docs/results.md), as RAGEN's HEAD has one such rule, an early
-stop on the std. With --collapse-every, RAGEN-2's template-collapse MI is a fifth signal (extras/collapse.py).
+The paper's order of events: the in-group reward std collapses first, then the gradient norm spikes, the
+entropy swings, and the policy repeats one template. `echo_check` says which signals fired; `train.py
+--stop-on-collapse` ends the run there. The thresholds are this codebase's, not the paper's (docs/results.md).
+With --collapse-every, RAGEN-2's template-collapse MI is one more signal (extras/collapse.py).
 """
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class EchoMonitor:
-    """The signals' histories (checkpointed, so a resumed run warns as the uninterrupted one would)."""
+    """The signals' histories (checkpointed: a resumed run warns as the uninterrupted one would)."""
     std_history: list = field(default_factory=list)
     grad_history: list = field(default_factory=list)
     ent_history: list = field(default_factory=list)
@@ -27,11 +25,8 @@ class EchoMonitor:
 
 def echo_check(mon: EchoMonitor, m: dict, baseline_iters: int = 5, std_ratio: float = 0.1, patience: int = 10,
                grad_factor: float = 5.0, ent_swing: float = 0.5, window: int = 20) -> dict[str, str]:
-    """Update the monitor with one iteration's metrics; -> {signal: warning} for the signals that fired:
-    std_collapse (the in-group reward std below std_ratio x its first iterations' mean, `patience` iterations
-    in a row), grad_spike (grad norm above grad_factor x its running median), entropy_swing (entropy more than
-    ent_swing away from its running median), mi_collapse (extras/collapse.mi_check). Each signal is read only
-    when its key is in `m`; empty when all is well."""
+    """One iteration's metrics -> {signal: warning} for those that fired: std_collapse (std below std_ratio x
+    its early mean, `patience` iterations in a row), grad_spike, entropy_swing (vs their running medians)."""
     warnings = {}
     std = m.get("rollout/in_group_std")
     if std is not None:
@@ -54,11 +49,11 @@ def echo_check(mon: EchoMonitor, m: dict, baseline_iters: int = 5, std_ratio: fl
         past = mon.ent_history[-window:]
         med = statistics.median(past) if len(past) >= 5 else None
         if med is not None and abs(e - med) > ent_swing * med:
-            warnings["entropy_swing"] = (f"entropy {e:.3g} swung by more than {ent_swing:.0%} from its running "
-                                         f"median {med:.3g}")
+            warnings["entropy_swing"] = (f"entropy {e:.3g} swung by more than {ent_swing:.0%} from its "
+                                         f"running median {med:.3g}")
         mon.ent_history.append(e)
     mi = m.get("collapse/mi")
-    if mi is not None and math.isfinite(mi):  # beyond the paper: measured only with --collapse-every
+    if mi is not None and math.isfinite(mi):  # beyond the paper: --collapse-every
         from extras.collapse import mi_check
         warning = mi_check(mon, mi)
         if warning:
@@ -67,8 +62,7 @@ def echo_check(mon: EchoMonitor, m: dict, baseline_iters: int = 5, std_ratio: fl
 
 
 def watch(mon: EchoMonitor, m: dict) -> list[str]:
-    """echo_check on one iteration's metrics, its verdict logged into them (echo/warnings, echo/SIGNAL = 1).
-    -> the warnings' texts."""
+    """echo_check, its verdict logged into `m` (echo/warnings, echo/SIGNAL = 1) -> the warnings' texts."""
     warnings = echo_check(mon, m)
     m["echo/warnings"] = len(warnings)
     m.update({f"echo/{signal}": 1 for signal in warnings})

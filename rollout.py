@@ -1,13 +1,13 @@
 """Multi-turn rollouts: the trajectory that StarPO optimises (paper sections 2.1-2.2, Figure 2).
 
 A trajectory: the instruction, then up to `max_turns` turns of (state -> <think>..</think><answer>..</answer>
--> reward feedback) in the tokenizer's chat template and RAGEN's layout. Every live episode replies in one
-batch. The trajectory keeps the token ids as sampled and a loss mask that is 1 exactly on them, from positions
-recorded here (only the agent's own tokens are optimised). `context_turns` 0: the paper's whole conversation,
-one sequence; K > 0: RAGEN's later window of the last K turns, one segment per turn. Next: filter.py.
+-> reward feedback) in the chat template and RAGEN's layout; live episodes reply in one batch. It keeps the
+token ids as sampled and a loss mask that is 1 exactly on them. `context_turns` 0: the paper's whole
+conversation, one sequence; K > 0: RAGEN's window of the last K turns, a segment per turn. Next: filter.py.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -17,13 +17,13 @@ from engine.models import autocast_dtype
 from envs import make_env
 
 SYSTEM_PROMPT = "You're a helpful assistant."
-# the settings a policy is trained and evaluated with (its train_config.json)
+# the settings a policy is trained and evaluated with
 ROLLOUT_KEYS = ("max_turns", "max_actions_per_turn", "max_actions", "format_penalty", "think",
                 "context_turns", "max_new_tokens")
 
 
 def default_reply_tokens(model_kind: str, env: str) -> int:
-    """Tokens per reply: RAGEN's response_length for hub models (400, on bandit 500), the tiny policy 100."""
+    """Tokens per reply: RAGEN's for hub models (400, on bandit 500), the tiny policy 100."""
     return 100 if model_kind == "tiny" else 500 if env.startswith("bandit") else 400
 
 
@@ -37,26 +37,26 @@ class RolloutConfig:
     context_turns: int = 0
     max_new_tokens: int = 100
     temperature: float = 1.0  # 0 = greedy
-    kv_cache: bool = True  # engine/sampler.py's engine (speed only)
-    cuda_graphs: bool = True  # on CUDA (speed only)
+    kv_cache: bool = True  # speed only
+    cuda_graphs: bool = True  # speed only
 
     @classmethod
-    def of(cls, cfg, temperature: float) -> "RolloutConfig":  # an entry script's Config's settings
+    def of(cls, cfg, temperature: float) -> "RolloutConfig":
         return cls(temperature=temperature, **{k: getattr(cfg, k) for k in ROLLOUT_KEYS})
 
 
 @dataclass
 class Turn:
-    obs: str                 # the state shown
+    obs: str
     reply: str               # the pre-filled tag + the reply
     actions: list[str]       # the actions run
-    parsed: bool             # the reply was well-formed
-    format_ok: bool          # well-formed, and every action valid (else the format penalty)
+    parsed: bool             # well-formed
+    format_ok: bool          # well-formed, every action valid (else the format penalty)
     env_reward: float
     reward: float            # env reward + format penalty
     valid: int
     effective: int
-    response_tokens: int     # tokens sampled
+    response_tokens: int
     success: bool = False
 
 
@@ -64,19 +64,24 @@ class Turn:
 class Segment:               # one training sequence
     input_ids: list[int]
     loss_mask: list[int]     # 1 exactly where the policy sampled the token
-    system_len: int = 0      # the system message's tokens (-1: the template renders none alone)
+    system_len: int = 0      # the system message's tokens (-1: unknown)
     reply_ends: list[int] = field(default_factory=list)  # each turn's last sampled token
+    logp: list[float] = field(default_factory=list)  # the sampler's log-probs, NaN where not sampled
 
-    def append(self, ids: list[int], sampled: int):
+    def __post_init__(self):
+        self.logp = self.logp or [math.nan] * len(self.input_ids)
+
+    def append(self, ids: list[int], sampled: int, logp: list[float] | None = None):
         self.input_ids += ids
         self.loss_mask += [sampled] * len(ids)
+        self.logp += list(logp) if logp is not None else [math.nan] * len(ids)
         if sampled and ids:
             self.reply_ends.append(len(self.input_ids) - 1)
 
 
 def trained_mask(seg: Segment, response_mask: bool = True) -> list[int]:
-    """The tokens a segment trains: those the policy sampled, or (`response_mask=False`, the paper's runs)
-    every token after the system message: states, feedback and template tokens too."""
+    """The tokens a segment trains: those sampled, or (`response_mask=False`, the paper's runs) every token
+    after the system message."""
     if response_mask:
         return seg.loss_mask
     if seg.system_len < 0:
@@ -95,7 +100,7 @@ class Trajectory:
     success: bool = False
     done: bool = False       # the environment ended it (not a budget)
     truncated: bool = False  # its next turn could have run past the model's positions
-    messages: list[dict] = field(default_factory=list)  # the conversation as text
+    messages: list[dict] = field(default_factory=list)
 
     @property
     def reward(self) -> float:  # env rewards + format penalties: what StarPO maximises
@@ -121,7 +126,7 @@ def format_prompt(think: bool) -> str:
 
 
 def header_text(env, cfg: RolloutConfig) -> str:
-    """Shown once at the top: rules, actions, budgets, separator (RAGEN's env instruction)."""
+    """Shown once at the top (RAGEN's env instruction)."""
     return (f"{env.instruction}\n"
             f"You can take up to {cfg.max_actions_per_turn} actions per turn, separated by ||, "
             f"and {cfg.max_actions} actions in total.\n")
@@ -135,7 +140,7 @@ def turn_text(k: int, obs: str, actions_left: int, cfg: RolloutConfig) -> str:
 PENALTY_NOTE = "Invalid format or action.\n"
 
 
-def feedback_text(turn: Turn) -> str:  # the turn's whole reward (RAGEN: the env's), and why it was penalised
+def feedback_text(turn: Turn) -> str:  # the turn's whole reward (RAGEN: the env's)
     note = "" if turn.format_ok else PENALTY_NOTE
     return f"Reward: {round(turn.reward, 2):g}\n{note}"
 
@@ -149,8 +154,7 @@ JUNCTION_RE = re.compile(r"</think>\s*<answer>")
 
 def parse_reply(text: str, think: bool, max_actions: int) -> tuple[list[str], bool]:
     """-> (actions, parsed): the answer of the first "<think>..</think> <answer>..</answer>" (no-think:
-    "<answer>..</answer>"), split on '||', empty pieces dropped, the first `max_actions` kept (in linear time:
-    the lazy regex that matches this is quadratic on many unclosed tags)."""
+    "<answer>..</answer>") split on '||', the first `max_actions` kept (linear time, unlike a lazy regex)."""
     if think:
         start = text.find("<think>")
         junction = JUNCTION_RE.search(text, start + len("<think>")) if start >= 0 else None
@@ -168,13 +172,13 @@ def parse_reply(text: str, think: bool, max_actions: int) -> tuple[list[str], bo
 # ---- the tokens
 
 def render_ids(tokenizer, messages: list[dict], cfg: RolloutConfig) -> list[int]:
-    """Chat-template a conversation and open the next assistant turn with the pre-filled tag."""
+    """Chat-template a conversation, opening the next assistant turn with the pre-filled tag."""
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefill(cfg)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def turn_close(tokenizer) -> str:
-    """The template's text that closes an assistant turn (Qwen: "<|im_end|>\n"), from a rendered example."""
+    """The template's text that closes an assistant turn (Qwen: "<|im_end|>\n")."""
     mark = "\x00REPLY\x00"
     base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
     open_ = tokenizer.apply_chat_template(base, tokenize=False, add_generation_prompt=True)
@@ -187,11 +191,11 @@ def turn_close(tokenizer) -> str:
 # ---- scripted agents
 
 def scripted_reply(actions: list[str], thought: str, cfg: RolloutConfig) -> str:  # without the pre-filled tag
-    answer = f"<answer> {' || '.join(actions)} </answer>"   # spaced as RAGEN's format prompt
+    answer = f"<answer> {' || '.join(actions)} </answer>"
     return f" {thought} </think> {answer}" if cfg.think else answer[len("<answer>"):]
 
 
-def expert_thought(note: str, moves: list[str]) -> str:  # where things are, the next push, the turn's moves
+def expert_thought(note: str, moves: list[str]) -> str:
     return (note + ". " if note else "") + "I pick my moves: " + ", ".join(moves) + "."
 
 
@@ -200,9 +204,9 @@ def expert_thought(note: str, moves: list[str]) -> str:  # where things are, the
 def rollout(env: str | list, seeds: list[int], group_ids: list[int], cfg: RolloutConfig, tokenizer=None,
             model=None, agent=None, generator: torch.Generator | None = None,
             samples: list[int] | None = None, env_overrides: dict | None = None) -> list[Trajectory]:
-    """len(seeds) episodes in lock-step (`env`: a name, or one env object per seed). Replies come from `model`
-    (sampled) or `agent(env, actions_left, cfg) -> (actions, thought)`; `tokenizer=None` records text only.
-    Episode i draws its noise (payoffs, slips) from (seed, samples[i])."""
+    """len(seeds) episodes in lock-step (`env`: a name, or an env per seed). Replies: `model` (sampled) or
+    `agent(env, actions_left, cfg) -> (actions, thought)`; `tokenizer=None`: text only. Episode i's noise:
+    (seed, samples[i])."""
     if (model is not None) + (agent is not None) != 1:
         raise ValueError("rollout needs exactly one of model= or agent=")
     envs = [make_env(env, **(env_overrides or {})) for _ in seeds] if isinstance(env, str) else list(env)
@@ -212,13 +216,13 @@ def rollout(env: str | list, seeds: list[int], group_ids: list[int], cfg: Rollou
     left = [cfg.max_actions] * len(envs)
     live = list(range(len(envs)))
     hdr = [header_text(e, cfg) for e in envs]
-    user_msgs: list[list[str]] = [[] for _ in envs]   # each turn's user message
+    user_msgs: list[list[str]] = [[] for _ in envs]
     reply_texts: list[list[str]] = [[] for _ in envs]
     running: list[Segment | None] = [None] * len(envs)  # each episode's sequence
-    if model is not None:  # engine/sampler.py: a fast engine, or the Hugging Face forward
+    if model is not None:
         from engine.sampler import make_sampler
         sampler = make_sampler(model, tokenizer, len(envs), cfg)
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)  # positions it reads
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     close = turn_close(tokenizer) if tokenizer is not None else None
     system = [] if tokenizer is None else tokenizer(tokenizer.apply_chat_template([{
         "role": "system", "content": SYSTEM_PROMPT}], tokenize=False), add_special_tokens=False)["input_ids"]
@@ -230,7 +234,6 @@ def rollout(env: str | list, seeds: list[int], group_ids: list[int], cfg: Rollou
             msgs = window_messages(hdr[i], user_msgs[i], reply_texts[i], cfg.context_turns)
             if tokenizer is not None:
                 if cfg.context_turns == 0 and running[i] is not None:
-                    # the sequence goes on with the next user turn
                     delta = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
                     prev = tokenizer.apply_chat_template(msgs[:-1], tokenize=False)
                     if not delta.startswith(prev):
@@ -242,7 +245,7 @@ def rollout(env: str | list, seeds: list[int], group_ids: list[int], cfg: Rollou
                     ids = render_ids(tokenizer, msgs, cfg)
                     n = len(ids)
                 if limit is not None and n + cfg.max_new_tokens > limit:
-                    # the reply could run past the model's positions: the episode ends here
+                    # the reply could run past the model's positions: the episode ends
                     user_msgs[i].pop()
                     trajs[i].truncated = True
                     continue
@@ -256,17 +259,18 @@ def rollout(env: str | list, seeds: list[int], group_ids: list[int], cfg: Rollou
         live = fits
         if not live:
             break
-        # --- replies for all live episodes at once
+        # --- replies, all at once
         if agent is not None:
             texts = [scripted_reply(*agent(envs[i], left[i], cfg), cfg) for i in live]
             sampled = None if tokenizer is None else [tokenizer(t, add_special_tokens=False).input_ids
                                                       for t in texts]
+            logps = None
         else:
             device = next(model.parameters()).device
-            amp = autocast_dtype(device)  # bf16 on CUDA
+            amp = autocast_dtype(device)
             with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-                sampled = sampler(live, prompts, generator)
-            # an end-of-turn token is not the reply's text: the chat template writes it
+                sampled, logps = sampler(live, prompts, generator)
+            # an end-of-turn token is not the reply's text: the template writes it
             texts = [tokenizer.decode(s[:-1] if s[-1] == tokenizer.eos_token_id else s,
                                       skip_special_tokens=False) for s in sampled]
         # --- parse, act, record
@@ -275,14 +279,14 @@ def rollout(env: str | list, seeds: list[int], group_ids: list[int], cfg: Rollou
             reply = prefill(cfg) + texts[j]
             n_tok = len(sampled[j]) if sampled is not None else len(texts[j].split())
             turn = act_turn(envs[i], reply, left[i], cfg, obs[i], n_tok)
-            left[i] -= turn.valid  # unknown words cost no budget
+            left[i] -= turn.valid
             obs[i] = envs[i].render()
             reply_texts[i].append(reply)
             trajs[i].turns.append(turn)
             trajs[i].success = trajs[i].success or turn.success
             if tokenizer is not None:
-                running[i].append(sampled[j], 1)
-                # it closed its turn: the template's close goes on after that end token
+                running[i].append(sampled[j], 1, logps[j] if logps else None)
+                # it closed its turn: the rest of the template's close follows
                 ended = sampled[j][-1:] == [tokenizer.eos_token_id] and tokenizer.eos_token
                 tail = close.removeprefix(tokenizer.eos_token) if ended else close
                 running[i].append(tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else [], 0)
@@ -300,9 +304,8 @@ def rollout(env: str | list, seeds: list[int], group_ids: list[int], cfg: Rollou
 
 
 def act_turn(env, reply: str, actions_left: int, cfg: RolloutConfig, obs: str, n_tok: int) -> Turn:
-    """One reply's actions, as RAGEN's es_manager runs them: its first max_actions_per_turn words, unknown
-    ones changing nothing and costing no budget, until the budget or the episode ends. A turn with an invalid
-    word among those run, or without a valid one, pays the format penalty once."""
+    """One reply's actions as RAGEN's es_manager runs them (unknown words cost no budget) until the budget
+    or episode ends. A turn with an invalid word run, or no valid one, pays the format penalty once."""
     actions, parsed = parse_reply(reply, cfg.think, cfg.max_actions_per_turn)
     env_r, valid, effective, ran, success = 0.0, 0, 0, [], False
     for a in actions:
@@ -321,7 +324,7 @@ def act_turn(env, reply: str, actions_left: int, cfg: RolloutConfig, obs: str, n
 
 
 def window_messages(header: str, user_msgs: list[str], replies: list[str], context_turns: int) -> list[dict]:
-    """The system message, the instruction and the last K turns (K = 0: all), ending with the user's."""
+    """The system message, the instruction and the last K turns (K = 0: all)."""
     n = len(user_msgs)
     first = 0 if context_turns == 0 else max(0, n - context_turns)
     msgs = [{"role": "system", "content": SYSTEM_PROMPT}]
@@ -333,7 +336,7 @@ def window_messages(header: str, user_msgs: list[str], replies: list[str], conte
 
 
 def dump(traj: Trajectory, tokenizer=None) -> str:
-    """One trajectory as readable text: what the agent saw and said, each turn's reward."""
+    """One trajectory as readable text."""
     lines = [f"=== env={traj.env} seed={traj.seed} group={traj.group_id} reward={traj.reward:.2f} "
              f"success={traj.success} actions={traj.num_actions} valid={traj.valid_actions} "
              f"effective={traj.effective_actions}"]

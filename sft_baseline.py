@@ -4,10 +4,9 @@
     python eval.py --env sokoban --policy runs/sft-sokoban-s0
     python sft_baseline.py --env sokoban --model Qwen/Qwen2.5-0.5B-Instruct    # the paper's, one GPU
 
-In train.py's sections: the env's expert plays trajectories on training seeds, rendered as RL rollouts are
-(the loss mask is 1 on its replies) -> epochs of cross-entropy on them (paper: 1,000 trajectories, 5 epochs,
-batches of 128, LoRA 64/32; the tiny policy's recipe, with a curriculum first: docs/sft.md) -> a JSONL and a
-printed line per step -> the test loss each epoch, the lowest kept -> LoRA merged -> a folder eval.py loads.
+The env's expert plays training seeds, rendered as rollouts (loss mask 1 on its replies) -> epochs of
+cross-entropy (paper: 1,000 trajectories, 5 epochs, batches of 128, LoRA 64/32; the tiny policy's recipe:
+docs/sft.md) -> the test loss each epoch, the lowest kept -> LoRA merged -> a folder eval.py loads.
 """
 from __future__ import annotations
 
@@ -33,7 +32,7 @@ from engine.agents import expert_agent
 from rollout import RolloutConfig, Segment, default_reply_tokens, dump, prefill, rollout
 from starpo import make_optimizer, pad_segments
 
-MODEL_DEFAULTS = {  # for fields left at None: hub models the paper's (App. G), tiny what trains on a CPU
+MODEL_DEFAULTS = {  # fields left at None: hub models the paper's (App. G), tiny what trains on a CPU
     "tiny": dict(train_trajectories=2800, epochs=3, lr=2e-3, adam_beta2=0.95, lora_rank=0, context_turns=1,
                  batch=16, micro_batch=16, short_steps=300),
     "hf": dict(train_trajectories=1000, epochs=5, lr=1e-4, adam_beta2=0.999, lora_rank=64, context_turns=0,
@@ -48,30 +47,26 @@ flag = cli.flag
 class Config:
     # ---- the paper's baseline (Appendix G)
     env: str = flag("sokoban", "environment", choices=ENVS)
-    train_trajectories: int | None = flag(None, "expert trajectories (default: tiny 2,800, hub models 1,000)",
-                                          lo=1)
+    train_trajectories: int | None = flag(None, "expert trajectories (default: tiny 2,800, hub 1,000)", lo=1)
     test_trajectories: int = flag(100, "expert trajectories for the test loss (paper: 100)", lo=1)
     expert_actions: int | None = flag(None, "expert moves per turn (default: max-actions / max-turns, up)")
     max_turns: int = flag(5, "turns per episode", lo=1)
     max_actions_per_turn: int = flag(5, "actions per turn", lo=1)
     max_actions: int = flag(10, "actions per episode", lo=1)
-    max_new_tokens: int | None = flag(None, "tokens per reply at eval (default: tiny 100, hub models 400, "
-                                            "500 on bandit)", lo=1)
+    max_new_tokens: int | None = flag(None, "tokens per reply at eval (default: tiny 100, hub 400/500)", lo=1)
     format_penalty: float = flag(-0.1, "reward of a turn without a valid answer (eval)")
     think: bool = flag(True, "<think>...</think> before <answer>")
-    context_turns: int | None = flag(None, "history: 0 = all, K = the last K turns (default: tiny 1, hub 0)",
-                                     lo=0)
-    epochs: int | None = flag(None, "passes over the training data (default: tiny 3, hub models 5)", lo=1)
-    batch: int | None = flag(None, "sequences per optimizer step (default: tiny 16, hub models 128)", lo=1)
-    lr: float | None = flag(None, "peak learning rate (default: tiny 2e-3, hub models 1e-4)", gt=0)
-    adam_beta2: float | None = flag(None, "AdamW's beta2 (default: tiny 0.95, hub models 0.999)", lo=0, lt=1)
-    short_steps: int | None = flag(None, "curriculum steps on each expert state alone, before the epochs "
-                                         "(default: tiny 300, hub models 0)", lo=0)
+    context_turns: int | None = flag(None, "history: 0 = all, K = last K (default: tiny 1, hub 0)", lo=0)
+    epochs: int | None = flag(None, "passes over the training data (default: tiny 3, hub 5)", lo=1)
+    batch: int | None = flag(None, "sequences per optimizer step (default: tiny 16, hub 128)", lo=1)
+    lr: float | None = flag(None, "peak learning rate (default: tiny 2e-3, hub 1e-4)", gt=0)
+    adam_beta2: float | None = flag(None, "AdamW's beta2 (default: tiny 0.95, hub 0.999)", lo=0, lt=1)
+    short_steps: int | None = flag(None, "curriculum steps on single expert states first (default: tiny 300, "
+                                         "hub 0)", lo=0)
     short_batch: int = flag(32, "sequences per step of the short examples", lo=1)
-    lora_rank: int | None = flag(None, "LoRA rank, 0 = full fine-tuning (default: tiny 0, hub models 64)",
-                                 lo=0)
+    lora_rank: int | None = flag(None, "LoRA rank, 0 = full fine-tuning (default: tiny 0, hub 64)", lo=0)
     lora_alpha: float = flag(32.0, "LoRA alpha", gt=0)
-    eval_every: int = flag(0, "also evaluate every this many epochs (0: only the kept policy)", lo=0)
+    eval_every: int = flag(0, "also evaluate every K epochs (0: only the kept policy)", lo=0)
     eval_prompts: int = flag(256, "eval prompts, <= 256", lo=1, hi=256)
     eval_temperature: float = flag(0.5, "eval sampling temperature (paper: 0.5)", lo=0)
     # ---- the run, the model
@@ -79,15 +74,15 @@ class Config:
     out: str | None = flag(None, "run folder (default: runs/sft-ENV-sSEED)")
     resume: str | None = flag(None, "continue the run in this folder from its last checkpoint")
     overwrite: bool = flag(False, "replace the run in --out (only the files a run writes)")
-    save_every: int = flag(100, "checkpoint every this many optimizer steps (0: none)", lo=0)
+    save_every: int = flag(100, "checkpoint every K optimizer steps (0: none)", lo=0)
     dump_trajectories: int = flag(3, "trajectories written as text at each eval", lo=0)
     model: str = flag("tiny", "tiny (the shipped prior), a hub id, a folder or a .gguf file")
     device: str = flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
     threads: int = flag(1, "CPU threads", lo=1)
-    micro_batch: int | None = flag(None, "sequences per forward (default: tiny 16, hub models 4)", lo=1)
+    micro_batch: int | None = flag(None, "sequences per forward (default: tiny 16, hub 4)", lo=1)
     fused: bool = flag(True, "chunked log-probs, never [B, T, V] logits")
     webshop_data: str | None = flag(None, "folder with the original WebShop files")
-    steps: int = field(default=0, metadata={"derived": True})  # optimizer steps, from the data's size
+    steps: int = field(default=0, metadata={"derived": True})  # optimizer steps
 
 
 RESUMABLE = {"device", "threads"}  # the flags a resumed run may change
@@ -95,9 +90,9 @@ RESUMABLE = {"device", "threads"}  # the flags a resumed run may change
 
 def derive(cfg: Config) -> Config:
     """Per-model defaults, and one-line errors for bad values."""
-    kind = model_kind(cfg.model)  # tiny-sized folders get the tiny defaults too
+    kind = model_kind(cfg.model)
     cli.fill_defaults(cfg, {**MODEL_DEFAULTS[kind], "max_new_tokens": default_reply_tokens(kind, cfg.env)})
-    if cfg.expert_actions is None:  # the fewest moves per turn that let the expert use the whole budget
+    if cfg.expert_actions is None:  # the fewest moves per turn that use the whole budget
         cfg.expert_actions = min(cfg.max_actions_per_turn, -(-cfg.max_actions // max(1, cfg.max_turns)))
     cli.check(cli.bounds(cfg) + [
         (1 <= cfg.expert_actions <= cfg.max_actions_per_turn,
@@ -111,7 +106,7 @@ def derive(cfg: Config) -> Config:
 # ---- the data
 
 def data_seeds(seed: int, n_train: int, n_test: int) -> tuple[list[int], list[int]]:
-    """Distinct training seeds (envs.train_seeds: never an eval seed) -> (train, test), disjoint."""
+    """Distinct training seeds (never an eval seed) -> (train, test)."""
     seeds = train_seeds(np.random.default_rng([seed, 0]), n_train + n_test)
     return seeds[:n_train], seeds[n_train:]
 
@@ -124,7 +119,7 @@ def expert_trajectories(env: str, seeds: list[int], rcfg, tok, actions_per_turn:
 
 
 def short_examples(trajs, tok, rcfg) -> list:
-    """The curriculum: each state the expert met, alone ("State:\\n<grid>"), answered by its reply."""
+    """The curriculum: each state the expert met, alone, answered by its reply."""
     tag, out = prefill(rcfg), []
     for t in trajs:
         for turn in t.turns:
@@ -137,18 +132,18 @@ def short_examples(trajs, tok, rcfg) -> list:
 
 
 def unknown_words(tok, trajs) -> list[str]:
-    """Words of the expert's replies that the tokenizer maps to <unk> (a warning: they train as <unk>)."""
+    """Words of the expert's replies that the tokenizer maps to <unk>."""
     if tok.unk_token_id is None:
         return []
     texts = {re.sub(r"</?\w+>", " ", m["content"]) for t in trajs for m in t.messages
              if m["role"] == "assistant"}
-    words = {w for text in texts for w in re.findall(r"\w+", text)}  # words of the replies, tags removed
+    words = {w for text in texts for w in re.findall(r"\w+", text)}
     return sorted(w for w in words if tok.unk_token_id in tok(" " + w, add_special_tokens=False)["input_ids"])
 
 
 def batch_of(cfg: Config, it: int, short: list, train_segs: list, per_epoch: int) -> tuple[int, int, list]:
     """Step `it`'s (epoch, step in it, sequences): the curriculum (epoch -1), then a permutation per epoch,
-    each from (seed, step or epoch), so a resumed run draws the same."""
+    seeded so a resumed run draws the same."""
     if it < cfg.short_steps:
         gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 - it - 1)
         rows = torch.randperm(len(short), generator=gen)[:cfg.short_batch].tolist()
@@ -168,8 +163,8 @@ def micro_batches(segs, micro: int):
 
 
 def masked_logprobs(policy, part, cfg: Config, pad_id: int, device, amp):
-    """A micro-batch -> log-probs, entropies and the mask, [b, T] each (the LM head on the replies only)."""
-    ids, attn, mask_cpu = pad_segments(part, pad_id)  # [b, T] each, on the CPU
+    """A micro-batch -> log-probs, entropies, mask, [b, T] each (the LM head on the replies only)."""
+    ids, attn, mask_cpu = pad_segments(part, pad_id)
     ids, attn, mask = ids.to(device), attn.to(device), mask_cpu.to(device)
     pre = shared_prefix_len([s.input_ids for s in part])
     with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
@@ -178,9 +173,8 @@ def masked_logprobs(policy, part, cfg: Config, pad_id: int, device, amp):
 
 
 def sft_step(policy, opt, segs, cfg: Config, pad_id: int, device, amp) -> dict:
-    """One optimizer step on the token-mean cross-entropy, micro-batches each divided by the whole batch's
-    tokens (one big batch's gradient); one host sync."""
-    n_tok = sum(sum(s.loss_mask) for s in segs)  # host ints: known before any forward
+    """One optimizer step on the token-mean cross-entropy over all micro-batches; one host sync."""
+    n_tok = sum(sum(s.loss_mask) for s in segs)
     nll_sum, ent_sum = torch.zeros((), device=device), torch.zeros((), device=device)
     for part in micro_batches(segs, cfg.micro_batch):
         logp, ent, mask = masked_logprobs(policy, part, cfg, pad_id, device, amp)  # [b, T] each
@@ -201,7 +195,7 @@ def sft_step(policy, opt, segs, cfg: Config, pad_id: int, device, amp) -> dict:
 
 @torch.no_grad()
 def test_loss(policy, segs, cfg: Config, pad_id: int, device, amp) -> float:
-    """The token-mean cross-entropy on `segs`: the kept checkpoint's criterion."""
+    """The token-mean cross-entropy on `segs`."""
     was_training = policy.training
     policy.eval()
     total = torch.zeros((), device=device)
@@ -213,7 +207,7 @@ def test_loss(policy, segs, cfg: Config, pad_id: int, device, amp) -> float:
 
 
 def lr_factor(step: int, steps: int) -> float:
-    """A linear warm-up over the first 5% of the steps, then a cosine to 0 (the paper gives only the peak)."""
+    """A linear warm-up over 5% of the steps, then a cosine to 0 (the paper gives only the peak)."""
     warmup = max(1, round(WARMUP_FRACTION * steps))
     if step < warmup:
         return (step + 1) / warmup
@@ -243,13 +237,13 @@ def main(argv=None):
         cli.fail(str(e))
     amp = autocast_dtype(device)
     if cfg.lora_rank > 0:
-        torch.manual_seed(cfg.seed)  # the adapters' random init: the same in a run and its resumed copy
+        torch.manual_seed(cfg.seed)  # the adapters' init
         print(f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} on "
               f"{len(add_lora(policy, cfg.lora_rank, cfg.lora_alpha))} linear layers")
     opt = make_optimizer(policy, cfg.lr, betas=(0.9, cfg.adam_beta2))
     rcfg = RolloutConfig.of(cfg, cfg.eval_temperature)
 
-    # ---- 3. data: expert trajectories on training seeds (never eval seeds), train and test disjoint
+    # ---- 3. data: expert trajectories, train and test disjoint
     train_s, test_s = data_seeds(cfg.seed, cfg.train_trajectories, cfg.test_trajectories)
     trajs = expert_trajectories(cfg.env, train_s + test_s, rcfg, tok, cfg.expert_actions, env_kw)
     train_trajs, test_trajs = trajs[:cfg.train_trajectories], trajs[cfg.train_trajectories:]
@@ -268,9 +262,9 @@ def main(argv=None):
     (out / "expert-trajectories.txt").write_text(dumps(train_trajs))
     if state is None:
         initial_loss = test_loss(policy, test_segs, cfg, tok.pad_token_id, device, amp)
-        best = {"loss": initial_loss, "epoch": 0, "state": trainable_state(policy)}  # epoch 0: as loaded
+        best = {"loss": initial_loss, "epoch": 0, "state": trainable_state(policy)}
         print(f"test loss before training: {initial_loss:.4f}")
-    else:  # the weights (LoRA: the adapters), the optimizer, the schedule, what was kept
+    else:
         restore_models(ck, state, policy, None, cfg.lora_rank > 0, f"--resume {out}")
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
@@ -285,7 +279,7 @@ def main(argv=None):
     try:
         for it in bar:
             t0 = time.time()
-            # 1. one optimizer step: the curriculum's short examples first, then the expert's sequences
+            # 1. one optimizer step
             epoch, k, segs = batch_of(cfg, it, short, train_segs, per_epoch)
             m: dict = {"step": it + 1, "epoch": epoch + 1, "train/lr": sched.get_last_lr()[0]}
             m.update(sft_step(policy, opt, segs, cfg, tok.pad_token_id, device, amp))

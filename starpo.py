@@ -1,14 +1,12 @@
-"""StarPO's update (paper section 2.2): the clipped token-level policy loss, the entropy bonus, the KL to the
-initial policy, PPO's critic and its clipped value loss, and `update`, one pass of mini-batch steps.
-
-Per sampled token t of a trajectory (mask[:, t] == 1), with A_t from advantages.py:
+"""StarPO's update (paper section 2.2): the clipped policy loss, entropy bonus, KL to the initial policy,
+PPO's critic and value loss, and `update`, one pass of mini-batch steps. Per sampled token t, A_t from
+advantages.py:
     ratio_t = exp(logp_t - old_logp_t)                                    (log-ratio clamped to +-20)
     pg_t    = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high))
     loss    = agg(pg) - entropy_coef * agg(entropy) + kl_coef * agg(kl(logp, ref_logp))
 StarPO-S (section 4.2): eps_low 0.2, eps_high 0.28 (Clip-Higher), kl_coef 0 (StarPO: 0.2, 0.2, 0.001).
-Appendix C.2: entropy 0.001, 32 trajectories per optimizer step; agg: a token mean over the mini-batch.
-Tensors are [B, T], right-padded, one row per sequence; logp[:, t] scores token t (engine/logprobs.py).
-Next: train.py, which builds the batch.
+Appendix C.2: entropy 0.001, 32 trajectories per optimizer step, agg a token mean over the mini-batch.
+Tensors are [B, T], right-padded, one row per sequence. Next: train.py, which builds the batch.
 """
 from __future__ import annotations
 
@@ -31,8 +29,8 @@ LOG_RATIO_CLAMP = 20.0
 
 def aggregate(loss_tok: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
               denom: torch.Tensor | float | None = None) -> torch.Tensor:
-    """A per-token loss [B, T] to a scalar over the sampled tokens: token-mean, or each row's mean (sum) then
-    their mean (seq-mean-token-mean, -sum). `denom`: the whole mini-batch's count, so micro-batches add up."""
+    """A per-token loss [B, T] -> a scalar: token-mean, or each row's mean (sum) then their mean. `denom`:
+    the whole mini-batch's count, so micro-batches add up."""
     m = mask > 0
     masked = torch.where(m, loss_tok, 0.0)  # [B, T]
     if agg == "token-mean":
@@ -46,13 +44,13 @@ def aggregate(loss_tok: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of x where mask == 1 (0 when there are none), with no host sync."""
+    """Mean of x where mask == 1 (0 if none), with no host sync."""
     m = mask > 0
     return torch.where(m, x, 0.0).sum() / m.sum().clamp(min=1)
 
 
 def check_dual_clip(dual_clip: float | None) -> None:
-    """0 or None: off; otherwise it must exceed 1, as verl asserts for clip_ratio_c."""
+    """0 or None: off; else > 1, as verl asserts."""
     if dual_clip and not dual_clip > 1.0:
         raise ValueError(f"dual_clip must be > 1 (verl's clip_ratio_c; 0 or None = off), got {dual_clip}")
 
@@ -61,18 +59,18 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
                 clip_low: float = 0.2, clip_high: float = 0.28, agg: str = "token-mean",
                 denom: torch.Tensor | float | None = None,
                 dual_clip: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped surrogate with Clip-Higher's bounds (section 4.2): pg_t above, aggregated. Beyond the
-    paper, `dual_clip` c > 1 (verl's clip_ratio_c) caps the loss at -A * c where A < 0. -> (loss, metrics)."""
+    """PPO's clipped surrogate with Clip-Higher's bounds (section 4.2): pg_t above. Beyond the paper,
+    `dual_clip` c > 1 (verl's clip_ratio_c) caps the loss at -A * c where A < 0. -> (loss, metrics)."""
     check_dual_clip(dual_clip)
     m = mask > 0
-    adv = torch.where(m, advantages.float(), 0.0)  # off the mask A = 0 and old = logp: padding never counts
+    adv = torch.where(m, advantages.float(), 0.0)  # off the mask A = 0, old = logp: padding never counts
     old = torch.where(m, old_logp.float(), logp.detach().float())
     log_ratio = (logp.float() - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)  # [B, T]
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
     loss_tok = torch.maximum(unclipped, clipped)  # [B, T]
-    dual = torch.zeros_like(m)  # [B, T] where the dual clip's cap is the loss
+    dual = torch.zeros_like(m)  # [B, T]
     if dual_clip:  # beyond the paper
         cap = -adv * dual_clip  # [B, T]
         dual = (adv < 0) & (loss_tok > cap)
@@ -97,8 +95,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "k3") -> 
 
 
 class Critic(nn.Module):
-    """PPO's value model (Appendix A): a copy of the policy's backbone, a scalar head (zero at first).
-    values[:, t]: the state's value before token t."""
+    """PPO's value model (Appendix A): the policy's backbone, a zero-initialised scalar head. values[:, t]:
+    the value of the state before token t."""
 
     def __init__(self, backbone: nn.Module):
         super().__init__()
@@ -134,8 +132,13 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 # ---- the batch
 
+def pad_logps(segs, T: int) -> torch.Tensor:
+    """The sampler's log-probs [B, T], NaN elsewhere."""
+    return torch.tensor([s.logp + [math.nan] * (T - len(s.logp)) for s in segs])
+
+
 def pad_segments(segs, pad_id: int):
-    """Right-pad segments -> input_ids [B, T], attention_mask [B, T], loss_mask [B, T] (float)."""
+    """Right-pad segments -> input_ids, attention_mask, loss_mask (float), [B, T] each."""
     T = max(len(s.input_ids) for s in segs)
     ids = torch.full((len(segs), T), pad_id, dtype=torch.long)
     attn = torch.zeros((len(segs), T), dtype=torch.long)
@@ -151,15 +154,16 @@ def pad_segments(segs, pad_id: int):
 @dataclass
 class Batch:
     """One row per training sequence; every tensor [B, T], right-padded."""
-    input_ids: torch.Tensor  # [B, T] long
-    attention_mask: torch.Tensor  # [B, T] long
-    loss_mask: torch.Tensor  # [B, T] float, 1 on the tokens trained
-    advantages: torch.Tensor  # [B, T]
-    old_logp: torch.Tensor | None = None  # [B, T] under the rollout policy (None: see `update`)
-    ref_logp: torch.Tensor | None = None  # [B, T] under the initial policy (the KL)
-    returns: torch.Tensor | None = None  # [B, T] the critic's targets (PPO)
-    old_values: torch.Tensor | None = None  # [B, T] the critic's values at rollout time (PPO)
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor  # float, 1 on the tokens trained
+    advantages: torch.Tensor
+    old_logp: torch.Tensor | None = None  # the rollout policy's (None: see `update`)
+    ref_logp: torch.Tensor | None = None  # the initial policy's (the KL)
+    returns: torch.Tensor | None = None  # PPO: the critic's targets
+    old_values: torch.Tensor | None = None  # PPO: the critic's values at rollout time
     prefix_len: int = 0  # tokens that start every row alike (run once)
+    rollout_logp: torch.Tensor | None = None  # the sampler's log-probs, to measure drift
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -171,14 +175,14 @@ class Batch:
     def to(self, device) -> "Batch":
         return self._map(lambda t: t.to(device))
 
-    def select(self, rows) -> "Batch":  # rows by index tensor, list or slice
+    def select(self, rows) -> "Batch":
         return self._map(lambda t: t[rows])
 
 
 @dataclass
 class UpdateConfig:
     mini_batch: int = 32  # sequences per optimizer step (Appendix C.2)
-    micro_batch: int = 4  # sequences per forward/backward (gradient accumulation)
+    micro_batch: int = 4  # sequences per forward/backward
     clip_low: float = 0.2
     clip_high: float = 0.28  # Clip-Higher (section 4.2; StarPO: 0.2)
     agg: str = "token-mean"
@@ -188,12 +192,12 @@ class UpdateConfig:
     value_clip: float = 0.5
     max_grad_norm: float = 1.0
     temperature: float = 1.0  # log-probs at the sampling temperature
-    dual_clip: float | None = None  # beyond the paper: verl's clip_ratio_c (> 1)
+    dual_clip: float | None = None  # beyond the paper
     fused: bool = True  # engine/logprobs.py's chunked path
     chunk_size: int = 1024
 
     @classmethod
-    def of(cls, cfg) -> "UpdateConfig":  # train.py's settings (a KL in the rewards: only measured here)
+    def of(cls, cfg) -> "UpdateConfig":  # a KL in the rewards is only measured here
         return cls(mini_batch=cfg.mini_batch, micro_batch=cfg.micro_batch, clip_low=cfg.clip_low,
                    clip_high=cfg.clip_high, agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef,
                    kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef, kl_kind=cfg.kl_kind,
@@ -202,7 +206,7 @@ class UpdateConfig:
 
 def make_optimizer(module: nn.Module, lr: float, weight_decay: float = 0.01,
                    betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (verl's: weight decay 0.01, torch's betas)."""
+    """AdamW over the trainable parameters (verl's weight decay 0.01)."""
     return torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr,
                              weight_decay=weight_decay, betas=betas)
 
@@ -220,9 +224,8 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
            generator: torch.Generator | None = None, autocast_dtype: torch.dtype | None = None,
            shard: tuple[int, int] | None = None) -> dict[str, float]:
     """One pass of PPO/GRPO over `batch` (section 2.2) -> metrics: shuffled mini-batches, one optimizer step
-    each, accumulated over micro-batches; a non-finite loss or grad norm skips the step. `critic` (PPO): the
-    value loss too. `batch.old_logp = None`: fresh rollouts in one mini-batch, ratio exactly 1. `shard=(rank,
-    world)` (torchrun): DDP modules train rows rank, rank + world, ... of every mini-batch."""
+    each (a non-finite loss or grad norm skips it). `batch.old_logp = None`: fresh rollouts in one
+    mini-batch, ratio 1. `shard=(rank, world)` (torchrun): each rank trains every world-th row."""
     if critic is not None and (critic_optimizer is None or batch.returns is None or batch.old_values is None):
         raise ValueError("a critic needs a critic_optimizer, batch.returns and batch.old_values")
     check_dual_clip(cfg.dual_clip)
@@ -244,9 +247,10 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
         o.zero_grad(set_to_none=True)
 
     zero = lambda: torch.zeros((), device=device)  # noqa: E731
-    # over the steps taken: token sums of the token metrics, sums of PER_STEP
+    # over the steps taken: token-weighted sums, sums of PER_STEP
     keys = ["tokens", *TOKEN_METRICS, *(("pg_clipfrac_dual",) if cfg.dual_clip else ()), *PER_STEP]
     totals = {k: zero() for k in keys}
+    drift = torch.zeros(3, device=device)  # |old_logp - the sampler's|: sum, tokens, max
     steps_taken = skipped = 0
 
     for start in range(0, len(batch), cfg.mini_batch):
@@ -259,7 +263,7 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
         finite = torch.ones((), dtype=torch.bool, device=device)
         plan = micro_batches(len(mb), cfg.micro_batch, rank, world)
         for j, rows in enumerate(plan):
-            # a rank out of rows runs a zero-weight row: DDP's all-reduce needs every rank
+            # a rank out of rows runs a zero-weight row: DDP needs every rank
             mi = mb.select(rows) if rows else \
                 dataclasses.replace(mb.select([0]), loss_mask=mb.loss_mask[:1] * 0)
             n_tok = (mi.loss_mask > 0).sum().float()
@@ -268,6 +272,11 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
                     logp, ent = token_logprobs(policy, mi.input_ids, mi.attention_mask, cfg.temperature,
                                                cfg.fused, cfg.chunk_size, prefix_len=mi.prefix_len)
                 old_logp = mi.old_logp if mi.old_logp is not None else logp.detach()  # ratio 1
+                if mi.rollout_logp is not None:  # the train-inference mismatch
+                    seen = torch.isfinite(mi.rollout_logp) & (mi.loss_mask > 0)
+                    d = torch.where(seen, (old_logp.float() - mi.rollout_logp).abs(), 0.0)
+                    drift = torch.stack([drift[0] + d.sum(), drift[1] + seen.sum(),
+                                         torch.maximum(drift[2], d.max())])
                 pg, pm = policy_loss(logp, old_logp, mi.advantages, mi.loss_mask, cfg.clip_low, cfg.clip_high,
                                      cfg.agg, denom=denom, dual_clip=cfg.dual_clip)
                 loss = pg - cfg.entropy_coef * aggregate(ent, mi.loss_mask, cfg.agg, denom)
@@ -284,7 +293,7 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
                 step["pg_loss"] += pg.detach()
                 step["entropy"] += masked_mean(ent.detach(), mi.loss_mask) * n_tok
                 for k, v in pm.items():
-                    if k in step:  # pg_clipfrac_dual: only with dual clip on
+                    if k in step:
                         step[k] += v * n_tok  # token means back to sums
 
                 if critic is not None:
@@ -319,15 +328,19 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
             o.zero_grad(set_to_none=True)
 
     stacked = torch.stack([totals[k] for k in keys])
-    if world > 1:  # token sums add up; per-step sums were each rank's share
+    if world > 1:  # per-step sums were each rank's share
         torch.distributed.all_reduce(stacked)
         per_step = torch.tensor([k in PER_STEP for k in keys], device=device)
         stacked = torch.where(per_step, stacked / world, stacked)
-    host = dict(zip(keys, stacked.tolist()))  # one sync for all metrics
+        torch.distributed.all_reduce(drift[:2])
+        torch.distributed.all_reduce(drift[2:], op=torch.distributed.ReduceOp.MAX)
+    host = dict(zip(keys, stacked.tolist()))  # one sync
+    d_sum, d_n, d_max = drift.tolist()
     n_steps = steps_taken if steps_taken else math.nan
     n_tokens = host["tokens"] if host["tokens"] > 0 else math.nan
     absent = (set() if has_ref else {"kl_to_init", "kl_loss"}) | \
         (set() if critic is not None else {"value_loss", "vf_clipfrac", "critic_grad_norm"})
+    drift = {"rollout/logp_diff_mean": d_sum / d_n, "rollout/logp_diff_max": d_max} if d_n else {}
     return {**{f"train/{k}": host[k] / (n_steps if k in PER_STEP else n_tokens) for k in keys[1:]
-               if k not in absent},
+               if k not in absent}, **drift,
             "train/skipped_nonfinite": float(skipped), "train/optimizer_steps": float(steps_taken)}

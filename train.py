@@ -4,16 +4,13 @@
     python train.py --preset starpo --env bandit                # StarPO: no filter, KL 0.001, clip 0.2/0.2
     python train.py --env sokoban --algo ppo --model Qwen/Qwen2.5-0.5B-Instruct   # the paper's run, one GPU
 
-One loop: P prompts x N rollouts on fresh rooms -> keep the prompt groups with the largest in-group reward std
-(section 4.2) -> advantages (GRPO: group-normalised; PPO: GAE with a critic) and the log-probs a loss needs ->
-mini-batch updates -> the Echo Trap monitor -> a JSONL line and a printed line -> eval, checkpoint. Every
-model runs the paper's rendering and batch; only sizes that follow the model differ. Every draw of iteration i
-derives from (--seed, i), so --resume reproduces the uninterrupted run. Options beyond the paper are opt-in,
-named in the first printed line, and live in extras/. Next: sft_baseline.py (the same sections), eval.py.
+One iteration: P prompts x N rollouts -> keep the groups with the largest in-group reward std (section 4.2)
+-> advantages (GRPO: group-normalised; PPO: GAE with a critic) -> mini-batch updates -> the Echo Trap
+monitor, a JSONL line, eval, checkpoint. Every draw of iteration i derives from (--seed, i), so --resume
+reproduces the uninterrupted run. Options beyond the paper are opt-in, in extras/. Next: sft_baseline.py.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from statistics import fmean as mean
@@ -26,26 +23,25 @@ import torch
 from advantages import broadcast_to_tokens, gae, grpo_advantages, kl_penalized_rewards, whiten
 from advantages import place_reward_on_last_token as reward_on_last
 from engine import cli, distributed as dist
-from engine.checkpoint import open_run, resume_config, save_checkpoint
+from engine.checkpoint import resume_config, save_checkpoint
 from engine.logprobs import TokenLogprobs, shared_prefix_len, token_logprobs
 from engine.lora import adapters_off
-from engine.models import autocast_dtype, memory_metrics, model_kind
+from engine.models import autocast_dtype, memory_metrics, model_kind, visiting
 from engine.run import finish_run, inherit_rendering, start_run
 from envs import ENVS, train_seeds
 from eval import eval_metrics, summarize
 from filter import select_groups
 from monitor import watch
 from rollout import ROLLOUT_KEYS, RolloutConfig, Segment, default_reply_tokens, rollout, trained_mask
-from starpo import AGG_MODES, Batch, UpdateConfig, masked_mean, pad_segments, update
+from starpo import AGG_MODES, Batch, UpdateConfig, masked_mean, pad_logps, pad_segments, update
 
 ALGOS, NOISE = ["grpo", "ppo", "gigpo"], ["shared", "independent"]
 METRICS = ["reward_std", "reward_mean", "reward_sum"]
 PAPER = dict(think=True, context_turns=0, max_turns=5, max_actions_per_turn=5, prompts=8, rollouts=16)
-PRESETS = {  # the paper's two recipes (section 4.2, App. C.2). StarPO's KL is RAGEN's: k1, in the token
-    # rewards for PPO (apply_kl_penalty), a loss term for GRPO
+PRESETS = {  # the paper's recipes (section 4.2, App. C.2); StarPO's KL is RAGEN's k1
     "starpo": dict(filter=1.0, kl_coef=0.001, kl_kind="k1", clip_low=0.2, clip_high=0.2, **PAPER),
     "starpo-s": dict(filter=0.25, kl_coef=0.0, clip_low=0.2, clip_high=0.28, **PAPER)}
-MODEL_DEFAULTS = {  # for fields left at None: hub models the paper's (App. C.2), tiny what trains on a CPU
+MODEL_DEFAULTS = {  # fields left at None: hub models the paper's (App. C.2), tiny what trains on a CPU
     "tiny": dict(lr=1e-4, critic_lr=1e-3, steps=30, eval_prompts=128, micro_batch=16, imitation_lr=2.5e-4),
     "hf": dict(lr=1e-6, critic_lr=1e-5, steps=200, eval_prompts=256, micro_batch=4, imitation_lr=5e-4)}
 flag = cli.flag
@@ -57,7 +53,7 @@ class Config:
     env: str = flag("sokoban", "environment", choices=ENVS)
     algo: str = flag("grpo", "grpo, ppo (critic + GAE); beyond the paper: gigpo", choices=ALGOS)
     preset: str | None = flag(None, "the paper's recipes (typed flags win)", choices=PRESETS)
-    filter: float = flag(0.25, "share of prompt groups kept by in-group reward std (1 = all)", gt=0)
+    filter: float = flag(0.25, "share of groups kept by in-group reward std (1 = all)", gt=0)
     filter_smallest: bool = flag(False, "keep the LOWEST-std groups (the paper's ablation)")
     kl_coef: float = flag(0.0, "KL-to-initial-policy coefficient (StarPO: 0.001)", lo=0)
     kl_kind: str = flag("k3", "KL estimator: k1 (RAGEN's `kl`, the paper's runs), k3", choices=["k1", "k3"])
@@ -65,41 +61,41 @@ class Config:
     clip_low: float = flag(0.2, "PPO clip eps_low", lo=0, lt=1)
     clip_high: float = flag(0.28, "PPO clip eps_high (Clip-Higher; StarPO: 0.2)", lo=0)
     entropy_coef: float = flag(0.001, "entropy bonus coefficient", lo=0)
-    prompts: int | None = flag(None, "P: prompts (initial states) per iteration (paper: 8)", lo=1)
-    rollouts: int | None = flag(None, "N: rollouts per prompt, a group (paper: 16)", lo=2)
+    prompts: int | None = flag(None, "P: prompts per iteration (paper: 8)", lo=1)
+    rollouts: int | None = flag(None, "N: rollouts per prompt (paper: 16)", lo=2)
     max_turns: int | None = flag(None, "turns per episode (paper: 5)", lo=1)
     max_actions_per_turn: int | None = flag(None, "actions per turn (paper: 5)", lo=1)
     max_actions: int = flag(10, "actions per episode", lo=1)
     max_new_tokens: int | None = flag(None, "tokens per reply (default: tiny 100, hub models 400/500)", lo=1)
     format_penalty: float = flag(-0.1, "reward of a turn without a valid answer")
     think: bool | None = flag(None, "<think>...</think> before <answer> (paper: on)")
-    context_turns: int | None = flag(None, "history: 0 = the whole conversation (paper), K = last K", lo=0)
+    context_turns: int | None = flag(None, "history: 0 = all turns (paper), K = the last K", lo=0)
     gamma: float = flag(1.0, "GAE discount (PPO)", lo=0, hi=1)
     lam: float = flag(1.0, "GAE lambda (PPO)", lo=0, hi=1)
-    grpo_std_norm: bool = flag(True, "GRPO divides by the group std (off: Dr.GRPO's mean-only)")
+    grpo_std_norm: bool = flag(True, "GRPO divides by the group std (off: Dr.GRPO)")
     mini_batch: int = flag(32, "training sequences per optimizer step", lo=1)
     ppo_epochs: int = flag(1, "passes over each rollout batch (the paper's runs: 1)", lo=1)
-    online_k: int = flag(1, "RAGEN's Online-k (Fig. 7): k x P prompts, each used once (paper: 1)", lo=1)
+    online_k: int = flag(1, "RAGEN's Online-k (Fig. 7): k x P prompts (paper: 1)", lo=1)
     group_noise: str = flag("shared", "a group's luck: shared (RAGEN's) or not", choices=NOISE)
-    response_mask: bool = flag(True, "train the sampled tokens only (off: all, as the paper's runs did)")
+    response_mask: bool = flag(True, "train sampled tokens only (off: all, as the paper's runs did)")
     loss_agg: str = flag("token-mean", "seq-mean-token-mean: the paper's 1/|tau| form", choices=AGG_MODES)
     temperature: float = flag(1.0, "rollout sampling temperature", gt=0)
     lr: float | None = flag(None, "policy learning rate (default: tiny 1e-4, hub models 1e-6)", gt=0)
     critic_lr: float | None = flag(None, "critic learning rate (default: tiny 1e-3, hub models 1e-5)", gt=0)
     steps: int | None = flag(None, "training iterations (default: tiny 30, hub models 200)", lo=1)
-    eval_every: int = flag(10, "evaluate every this many iterations (0: only at the end)", lo=0)
+    eval_every: int = flag(10, "evaluate every K iterations (0: only at the end)", lo=0)
     eval_prompts: int | None = flag(None, "eval prompts (default: tiny 128, hub models 256)", lo=1, hi=256)
     eval_temperature: float = flag(0.5, "eval sampling temperature (paper: 0.5)", lo=0)
     # ---- beyond the paper (opt-in, extras/; a run names those it uses in its first line)
     filter_strategy: str = flag("top_k", "RAGEN's rules", choices=["top_k", "top_k_abs", "top_p", "min_p"],
                                 beyond=True)
     filter_metric: str = flag("reward_std", "what groups are ranked by", beyond=True, choices=METRICS)
-    filter_include_zero: bool = flag(True, "rank zero-score groups too (RAGEN-2's guide: off)", beyond=True)
+    filter_include_zero: bool = flag(True, "rank zero-score groups too (RAGEN-2: off)", beyond=True)
     filter_top_p_mode: str = flag("linear", "top_p's mode", choices=["linear", "softmax"], beyond=True)
     filter_eps: float = flag(0.01, "top_p linear: RAGEN's selection_eps", lo=0, beyond=True)
     filter_empty_stop: int = flag(0, "stop after K iterations with no group kept", lo=0, beyond=True)
     turn_rewards: bool = flag(False, "PPO: each turn's reward on its last token (RAGEN)", beyond=True)
-    bi_level_gae: bool = flag(False, "PPO: a turn-level GAE, then token-level in turns (RAGEN)", beyond=True)
+    bi_level_gae: bool = flag(False, "PPO: turn-level, then token-level GAE (RAGEN)", beyond=True)
     high_level_gamma: float = flag(0.95, "--bi-level-gae's turn-level discount", lo=0, hi=1, beyond=True)
     dual_clip: float = flag(0.0, "verl's dual clip C > 1 (RAGEN's runs: 3; 0: off)", lo=0, beyond=True)
     collapse_every: int = flag(0, "RAGEN-2's template-collapse metrics every K iterations", lo=0, beyond=True)
@@ -114,20 +110,20 @@ class Config:
                            choices=["mean_norm", "mean_std_norm"])
     # ---- the run, the model, memory
     seed: int = flag(0, "seed of everything", lo=0, hi=cli.SEED_MAX)
-    out: str | None = flag(None, "run folder (default: runs/ENV-ALGO-sSEED, then the preset and a digest)")
+    out: str | None = flag(None, "run folder (default: runs/ENV-ALGO-sSEED, preset, digest)")
     resume: str | None = flag(None, "continue the run in this folder from its last checkpoint")
     overwrite: bool = flag(False, "replace the run in --out (only the files a run writes)")
     model: str = flag("tiny", "tiny (the shipped prior), a hub id, a folder, a run or a .gguf file")
     device: str = flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
-    threads: int = flag(1, "CPU threads (1 was fastest on 2-core machines)", lo=1)
+    threads: int = flag(1, "CPU threads", lo=1)
     micro_batch: int | None = flag(None, "sequences per forward (default: tiny 16, hub models 4)", lo=1)
     fused: bool = flag(True, "chunked log-probs, never [B, T, V] logits (engine/logprobs.py)")
-    save_every: int = flag(10, "checkpoint every this many iterations (0: only final/)", lo=0)
+    save_every: int = flag(10, "checkpoint every K iterations (0: only final/)", lo=0)
     dump_trajectories: int = flag(3, "trajectories written as text at each eval", lo=0)
     stop_on_collapse: bool = flag(False, "end the run when the Echo Trap monitor fires")
-    lora_rank: int = flag(0, "train LoRA adapters of this rank, not every weight (0: the paper)", lo=0)
+    lora_rank: int = flag(0, "LoRA adapters of this rank (0: every weight, the paper)", lo=0)
     lora_alpha: float = flag(32.0, "LoRA alpha", gt=0)
-    grad_checkpoint: bool = flag(False, "recompute each layer's activations in backward (less memory)")
+    grad_checkpoint: bool = flag(False, "recompute activations in backward (less memory)")
     memory_cap: float | None = flag(None, "CUDA: cap the GPU memory at this many GiB", gt=0)
     webshop_data: str | None = flag(None, "folder with the original WebShop files")
     groups: int = field(default=0, metadata={"derived": True})  # prompt groups rolled out: P x online_k
@@ -135,7 +131,7 @@ class Config:
 
 def derive(cfg: Config, explicit: set[str] = frozenset()) -> Config:
     """Per-model defaults, the default run folder (two commands never share one), one-line errors."""
-    kind = model_kind(cfg.model)  # tiny-sized folders get the tiny defaults too
+    kind = model_kind(cfg.model)
     cli.fill_defaults(cfg, {**PAPER, **MODEL_DEFAULTS[kind], "kl_in_reward": cfg.preset == "starpo" and
                             cfg.algo == "ppo", "max_new_tokens": default_reply_tokens(kind, cfg.env)})
     rules = [(not cfg.kl_in_reward or cfg.algo == "ppo", "--kl-in-reward: PPO only (GRPO: in the loss)"),
@@ -146,7 +142,7 @@ def derive(cfg: Config, explicit: set[str] = frozenset()) -> Config:
              (not cfg.webshop_data or cfg.env == "webshop", f"--webshop-data {cfg.webshop_data}: only for "
                                                             f"--env webshop (this run: --env {cfg.env})")]
     if cli.opt_ins(cfg) or cfg.algo == "gigpo":
-        from extras.options import rules as beyond_rules  # beyond the paper: only when a run asks for it
+        from extras.options import rules as beyond_rules
         rules += beyond_rules(cfg)
     cli.check(cli.bounds(cfg) + rules)
     cfg.groups = cfg.prompts * cfg.online_k
@@ -157,7 +153,7 @@ def derive(cfg: Config, explicit: set[str] = frozenset()) -> Config:
 
 
 def describe(cfg: Config, device) -> str:
-    """The first printed line: the method (StarPO-S: the paper's three changes; StarPO: none) and more."""
+    """The first printed line: the method (StarPO-S: the paper's three changes; StarPO: none)."""
     extra, modified = "", False
     if cli.opt_ins(cfg) or cfg.algo == "gigpo":
         from extras.options import describe as beyond
@@ -176,16 +172,15 @@ def describe(cfg: Config, device) -> str:
 
 
 def seed_of(cfg: Config, it: int, stream: int | None = None) -> int:
-    """Iteration `it`'s generators' seed (stream k: the update's k-th pass; 77: the imitation): every draw
-    derives from (--seed, it), so a resumed run needs no saved generator state."""
+    """Iteration `it`'s seed (stream k: the update's k-th pass; 77: the imitation): a resumed run needs no
+    saved generator state."""
     return cfg.seed * 1_000_003 + (it if stream is None else it * 101 + stream)
 
 
 # ---- the loop's steps
 
 def iteration_rollouts(cfg: Config, it: int, policy, tok, rcfg: RolloutConfig, env_kw: dict, device) -> list:
-    """Iteration `it`'s rollouts in groups sharing a room (from (seed, it)) and their luck. Under torchrun
-    each rank rolls out whole groups, then every rank holds them all."""
+    """Iteration `it`'s rollouts, in groups sharing a room and its luck (torchrun: from every rank)."""
     gen = torch.Generator(device=device).manual_seed(seed_of(cfg, it) + (dist.rank() << 40))
     seeds = train_seeds(np.random.default_rng([cfg.seed, it]), cfg.groups)
     mine, n = dist.my_range(cfg.groups), cfg.rollouts
@@ -198,7 +193,7 @@ def iteration_rollouts(cfg: Config, it: int, policy, tok, rcfg: RolloutConfig, e
 
 def filter_groups(cfg: Config, trajs: list):
     """StarPO-S's filter (section 4.2): whole groups in or out. -> (kept, why the update is skipped, metrics):
-    an empty batch, or GRPO's without a reward spread, would be a silent no-op: it is logged and skipped."""
+    an empty batch, or GRPO's without a reward spread, is logged and skipped, not a silent no-op."""
     rewards = torch.tensor([t.reward for t in trajs]).view(cfg.groups, cfg.rollouts)  # [G, N]
     if cfg.filter_strategy == "top_k" and cfg.filter_metric == "reward_std" and cfg.filter_include_zero:
         keep, fs = select_groups(rewards, keep=cfg.filter, largest=not cfg.filter_smallest)
@@ -209,48 +204,52 @@ def filter_groups(cfg: Config, trajs: list):
                                          cfg.filter_metric)
     m = {f"rollout/{k}": fs[k] for k in ("in_group_std", "in_group_std_max", "chosen_in_group_std",
                                          "filter_kept", "zero_std_groups")}
-    zero = fs["all_zero_std"] and cfg.algo == "grpo"
+    kept = [t for t in trajs if keep[t.group_id]]
+    zero = fs["all_zero_std"] and cfg.algo != "ppo"
+    if zero and cfg.algo == "gigpo":  # beyond the paper: turns from one state may still differ
+        from extras.gigpo import has_signal
+        zero = not has_signal(kept, cfg)
     empty = fs["empty_selection"]
     m.update({"train/skipped_zero_std": float(zero), "train/skipped_empty_filter": float(empty)})
     skip = "the filter kept no group" if empty else "no group has a reward spread" if zero else None
-    return [t for t in trajs if keep[t.group_id]], skip, m
+    return kept, skip, m
 
 
 @torch.no_grad()
 def prepare_batch(kept, cfg: Config, policy, ref, critic, pad_id: int, device, amp, on_eval: bool):
-    """The update's inputs (section 2.2, Appendix A): rows, advantages, and the log-probs and values a loss
-    needs. -> (Batch, metrics). Under torchrun each rank runs its rows; every rank ends with all of them."""
-    rows = [(s, t) for t in kept for s in t.segments]  # a row per segment (a trajectory, or a turn's window)
+    """The update's inputs (section 2.2, Appendix A): rows, advantages, the log-probs and values a loss needs.
+    -> (Batch, metrics). Under torchrun each rank runs its rows; every rank ends with all of them."""
+    rows = [(s, t) for t in kept for s in t.segments]  # a row per segment
     ids, attn, mask = (x.to(device) for x in pad_segments(
         [Segment(s.input_ids, trained_mask(s, cfg.response_mask)) for s, _ in rows], pad_id))  # [B, T] each
     pre = shared_prefix_len([s.input_ids for s, _ in rows])  # the prompt header, run once
 
     def logp(model, base_only=False):  # base_only: a LoRA policy's frozen base, its KL reference
         def fn(i, a):
-            with adapters_off(model) if base_only else contextlib.nullcontext():
+            with adapters_off(model) if base_only else visiting(model, device):
                 return token_logprobs(model, i, a, cfg.temperature, cfg.fused, prefix_len=pre)[0].float()
         return fn
-    # Only passes whose answer is unknown: one optimizer step on fresh rollouts has ratio 1 (update() uses its
-    # forward's log-probs); without a KL term the reference feeds train/kl_to_init on eval iterations only.
+    # one optimizer step on fresh rollouts has ratio 1 (no old_logp pass); without a KL term the reference
+    # only feeds train/kl_to_init on eval iterations
     one_step = len(ids) <= cfg.mini_batch and cfg.ppo_epochs == 1 and not cfg.kl_in_reward
-    run = lambda fn: dist.map_rows(fn, ids, attn, cfg.micro_batch)  # noqa: E731  this rank's rows, gathered
+    run = lambda fn: dist.map_rows(fn, ids, attn, cfg.micro_batch)  # noqa: E731
     with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
         old_logp = None if one_step else run(logp(policy))                                        # [B, T]
         ref_logp = run(logp(policy, True) if ref is None else logp(ref)) if cfg.kl_coef or on_eval else None
         values = run(lambda i, a: critic(i, a).float()) if critic is not None else None           # [B, T]
     metrics, returns = {}, None
-    if cfg.algo != "ppo":  # GRPO: each trajectory's reward, normalised in its group, on its sampled tokens
+    if cfg.algo != "ppo":  # GRPO: each trajectory's group-normalised reward on its sampled tokens
         scores = grpo_advantages(torch.tensor([t.reward for t in kept]), [t.group_id for t in kept],
                                  norm_by_std=cfg.grpo_std_norm).tolist()
         row_adv = torch.tensor([a for t, a in zip(kept, scores) for _ in t.segments])  # [B]
         adv = broadcast_to_tokens(row_adv.to(device), mask)  # [B, T]
-        if cfg.algo == "gigpo":  # beyond the paper: + each turn's step-level advantage (extras/gigpo.py)
+        if cfg.algo == "gigpo":  # beyond the paper (extras/gigpo.py)
             from extras.gigpo import gigpo_token_advantages
             adv, metrics = gigpo_token_advantages(kept, rows, mask, cfg)
-    else:  # PPO: the trajectory's reward on each row's last sampled token, GAE with the critic
+    else:  # PPO: the reward on each row's last sampled token, GAE with the critic
         rewards = reward_on_last(torch.tensor([t.reward for _, t in rows]).to(device), mask)
         ends = None
-        if cfg.turn_rewards or cfg.bi_level_gae:  # beyond the paper: each turn credited at its end
+        if cfg.turn_rewards or cfg.bi_level_gae:  # beyond the paper
             from extras.turn_credit import turn_credit
             rewards, ends = turn_credit(rows, rewards, cfg, ids.shape[1])
         if cfg.kl_in_reward:  # StarPO with PPO as the paper ran it (RAGEN's apply_kl_penalty)
@@ -263,7 +262,8 @@ def prepare_batch(kept, cfg: Config, policy, ref, critic, pad_id: int, device, a
             adv, returns = bi_level_gae(rewards, values, mask, ends, cfg.gamma, cfg.lam, cfg.high_level_gamma)
         adv = whiten(adv, mask)  # over the global batch: every rank holds all of it
     return Batch(input_ids=ids, attention_mask=attn, loss_mask=mask, advantages=adv, old_logp=old_logp,
-                 ref_logp=ref_logp, returns=returns, old_values=values, prefix_len=pre), metrics
+                 ref_logp=ref_logp, returns=returns, old_values=values, prefix_len=pre,
+                 rollout_logp=pad_logps([s for s, _ in rows], ids.shape[1]).to(device)), metrics
 
 
 def finite(policy) -> bool:  # one host sync, after a phase that stepped an optimizer
@@ -293,7 +293,7 @@ def main(argv=None):
     cfg, out, device, policy, tok, critic, ref, env_kw, start, opts, monitor, metrics_path = setup(argv)
     amp, ucfg = autocast_dtype(device), UpdateConfig.of(cfg)
     train_rcfg, eval_rcfg = (RolloutConfig.of(cfg, t) for t in (cfg.temperature, cfg.eval_temperature))
-    # DDP (torchrun) wraps what update() calls, TokenLogprobs, not the HF model; one process: the plain ones
+    # DDP (torchrun) wraps TokenLogprobs, what update() calls, not the HF model
     train_policy, train_critic = dist.ddp(TokenLogprobs(policy), device), dist.ddp(critic, device)
     from tqdm import tqdm
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=describe(cfg, "").split(":")[0],
@@ -309,23 +309,23 @@ def main(argv=None):
                       if k not in ("success_lo", "success_hi", "episodes")})
             m.update({"rollout/reward_std": torch.tensor([t.reward for t in trajs]).std().item(),
                       "time/rollout": time.time() - t0})
-            if cfg.collapse_every and it % cfg.collapse_every == 0 and dist.is_main():  # RAGEN-2 (extras/)
+            if cfg.collapse_every and it % cfg.collapse_every == 0 and dist.is_main():  # RAGEN-2
                 from extras.collapse import measure_collapse
                 m.update(measure_collapse(policy, tok, trajs, cfg.collapse_samples, seed_of(cfg, it), amp,
                                           cfg.temperature))
-            # 2. StarPO-S's filter: whole groups in or out by in-group reward std
+            # 2. StarPO-S's filter
             kept, skip, fm = filter_groups(cfg, trajs)
             m.update(fm)
             empty_run = empty_run + 1 if fm["train/skipped_empty_filter"] else 0
             if skip and dist.is_main():
                 tqdm.write(f"[iter {it + 1}] {skip}: update skipped (logged)")
             if not skip:
-                # 3. the batch: advantages, and the log-probs a loss needs (no grad)
+                # 3. the batch: advantages, log-probs (no grad)
                 t1 = time.time()
                 batch, pm = prepare_batch(kept, cfg, policy, ref, critic, tok.pad_token_id, device, amp,
                                           on_eval=evaluates(cfg, it))
                 m.update({**pm, "time/prep": time.time() - t1})
-                # 4. update: ppo_epochs passes in mini-batches, the same ones on every rank
+                # 4. update: ppo_epochs passes, the same mini-batches on every rank
                 t2 = time.time()
                 for model in (policy, critic) if critic is not None else (policy,):
                     model.train()
@@ -336,14 +336,14 @@ def main(argv=None):
                 m.update({k: (sum if k in counts else mean)([p[k] for p in passes]) for k in passes[0]})
                 m.update({"train/rows": len(batch), "time/update": time.time() - t2})
                 diverged = None if finite(policy) else "the update made the policy's weights non-finite"
-            # 4b. beyond the paper: hindsight imitation (GCSL, extras/hindsight.py)
+            # 4b. beyond the paper: hindsight imitation (extras/hindsight.py)
             if cfg.hindsight_imitation and not diverged:
                 from extras.hindsight import imitation_step
                 gen = torch.Generator().manual_seed(seed_of(cfg, it, 77))
                 m.update(imitation_step(cfg, trajs, train_policy, opts["imit_opt"], ucfg, tok, train_rcfg,
                                         env_kw, gen, amp))
                 diverged = None if finite(policy) else "the imitation made the policy's weights non-finite"
-            # 5. the Echo Trap monitor, eval, log, checkpoint: rank 0 (its metrics are the global ones)
+            # 5. the Echo Trap monitor, eval, log, checkpoint: rank 0
             if dist.is_main():
                 for w in watch(monitor, m):
                     tqdm.write(f"[iter {it + 1}] ECHO TRAP WARNING: {w}")
@@ -369,11 +369,11 @@ def main(argv=None):
                 tqdm.write(line(m))
             if diverged:
                 raise FloatingPointError(diverged)
-            if stop := dist.broadcast_object(stop):  # rank 0 decides; the others wait here meanwhile
+            if stop := dist.broadcast_object(stop):  # rank 0 decides
                 if dist.is_main():
                     tqdm.write(f"stopping: {stop}")
                 break
-    except FloatingPointError as e:  # a diverged policy can no longer sample; every logged line is kept
+    except FloatingPointError as e:  # a diverged policy can no longer sample
         ck = f"{out}/ckpt-{saved_at:06d}" if saved_at else "none"
         cli.fail(f"iteration {it + 1}: {e} (--lr {cfg.lr} is too high?); the metrics so far are in "
                  f"{metrics_path}, the last checkpoint: {ck}", code=1)
@@ -383,7 +383,7 @@ def main(argv=None):
         raise KeyboardInterrupt(f"at iteration {it + 1} (last checkpoint: {where}); continue with: python "
                                 f"train.py --resume {out}") from None
     bar.close()
-    del train_policy, train_critic  # the DDP wrappers hold the process group, which finish_run() frees
+    del train_policy, train_critic  # they hold the process group, which finish_run() frees
     return finish_run(cfg, out, policy, tok, critic)
 
 

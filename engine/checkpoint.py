@@ -109,8 +109,8 @@ def resume_config(cls, cfg, explicit: set[str], allowed: set[str], dropped: tupl
     saved = {k: v for k, v in saved.items() if k not in dropped}
     unknown = sorted(set(saved) - {f.name for f in fields(cls)})
     if len(unknown) > len(saved) / 2:
-        raise ValueError(f"--resume {cfg.resume}: a run of another script (most of its config.json's keys are not "
-                         f"this script's: {', '.join(unknown[:3])}, ...)")
+        raise ValueError(f"--resume {cfg.resume}: a run of another script (most of its config.json's keys "
+                         f"are not this script's: {', '.join(unknown[:3])}, ...)")
     if unknown:
         more = f" and {len(unknown) - 3} more" if len(unknown) > 3 else ""
         raise ValueError(f"--resume {cfg.resume}: its config.json has keys this script does not know: "
@@ -124,8 +124,8 @@ def resume_config(cls, cfg, explicit: set[str], allowed: set[str], dropped: tupl
 
 
 def restore_models(ck: Path, state: dict, policy, critic, lora: bool, flag: str) -> None:
-    """A resumed run's weights from its checkpoint `ck`: a LoRA run's adapters from state.pt (its frozen base is
-    the --model's; the critic's head beside its merged backbone), else the whole saved models."""
+    """A resumed run's weights from its checkpoint `ck`: a LoRA run's adapters from state.pt (its frozen base
+    is the --model's; the critic's head beside its merged backbone), else the whole saved models."""
     from engine.models import load_critic, load_policy
     device = policy.device
     if lora:

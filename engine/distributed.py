@@ -100,7 +100,8 @@ def gather_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     if world_size() == 1:
         return x
     c = math.ceil(n / world_size())
-    padded = torch.cat([x, x.new_zeros((c - len(x), *x.shape[1:]))])  # [c, ...]: all_gather needs equal shapes
+    # [c, ...]: all_gather needs equal shapes
+    padded = torch.cat([x, x.new_zeros((c - len(x), *x.shape[1:]))])
     parts = [torch.empty_like(padded) for _ in range(world_size())]
     dist.all_gather(parts, padded)
     return torch.cat(parts)[:n]  # only the tail ranks are short, so the real rows are the first n
@@ -142,8 +143,8 @@ def assert_in_sync(*modules: torch.nn.Module | None) -> str:
 
 
 def map_rows(fn, ids: torch.Tensor, attn: torch.Tensor, micro: int) -> torch.Tensor:
-    """fn(ids, attn) -> [b, T] on this rank's share of the B rows, `micro` rows at a time, gathered: every rank
-    ends with all of them [B, T] (one process: fn over every row)."""
+    """fn(ids, attn) -> [b, T] on this rank's share of the B rows, `micro` rows at a time, gathered: every
+    rank ends with all of them [B, T] (one process: fn over every row)."""
     mine = my_range(len(ids))
     my_ids, my_attn = ids[mine.start:mine.stop], attn[mine.start:mine.stop]
     parts = [fn(my_ids[j:j + micro], my_attn[j:j + micro]) for j in range(0, len(my_ids), micro)]

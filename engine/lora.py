@@ -1,11 +1,12 @@
 """LoRA (Hu et al. 2021), hand-written: a low-rank update beside each frozen linear layer, merged for export.
 
-Every linear layer of the transformer blocks (attention q/k/v/o, MLP gate/up/down; not the embeddings or the LM
-head) gets y = W x + (alpha / r) * B A x (eq. 3), W frozen, A random, B = 0, so training starts exactly at the
-pretrained model; `merge_lora` writes W + (alpha / r) B A into plain nn.Linear layers. The paper's SFT baseline
-uses rank 64, alpha 32 (Appendix G, `sft_baseline.py --lora-rank`); `train.py --lora-rank` uses it for RL, to
-fit larger models on one card, where `adapters_off` turns the policy back into its frozen base: the KL
-reference without a second copy of the weights (verl's `ref_in_actor`). peft's initialisation otherwise.
+Every linear layer of the transformer blocks (attention q/k/v/o, MLP gate/up/down; not the embeddings or the
+LM head) gets y = W x + (alpha / r) * B A x (eq. 3), W frozen, A random, B = 0, so training starts exactly at
+the pretrained model; `merge_lora` writes W + (alpha / r) B A into plain nn.Linear layers. The paper's SFT
+baseline uses rank 64, alpha 32 (Appendix G, `sft_baseline.py --lora-rank`); `train.py --lora-rank` uses it
+for RL, to fit larger models on one card, where `adapters_off` turns the policy back into its frozen base:
+the KL reference without a second copy of the weights (verl's `ref_in_actor`). peft's initialisation
+otherwise.
 """
 from __future__ import annotations
 
@@ -25,9 +26,11 @@ class LoRALinear(nn.Module):
         self.base = base.requires_grad_(False)
         self.scale = alpha / rank
         w = base.weight
-        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=w.device, dtype=w.dtype))  # [r, in]
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=w.device, dtype=w.dtype))  # [out, r]
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear (and peft): B = 0 keeps y = base(x)
+        # [r, in] and [out, r]
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=w.device, dtype=w.dtype))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=w.device, dtype=w.dtype))
+        # as nn.Linear (and peft): B = 0 keeps y = base(x)
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.off = False  # set by adapters_off: the frozen base alone
 
     def forward(self, x):
@@ -61,8 +64,9 @@ def add_lora(model: nn.Module, rank: int, alpha: float) -> list[str]:
 
 @contextlib.contextmanager
 def adapters_off(model: nn.Module):
-    """Inside the block `model` computes its frozen base alone (every LoRALinear's update skipped): a LoRA run's
-    KL reference, the initial policy, at no extra memory (deviation 2)."""
+    """Inside the block `model` computes its frozen base alone (every LoRALinear's update skipped): a LoRA
+    run's KL reference, the initial policy (B = 0 at the start and the base never trains), at no extra memory
+    (verl's `ref_in_actor` does the same)."""
     layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
     for m in layers:
         m.off = True
@@ -85,8 +89,9 @@ def merge_lora(model: nn.Module) -> int:
 
 @torch.no_grad()
 def plain_state_dict(model: nn.Module) -> dict | None:
-    """The model's weights as a plain model has them (each LoRALinear merged, on the CPU), for save_pretrained's
-    `state_dict=`: checkpoints of a LoRA run load like any other model. None when the model has no LoRA."""
+    """The model's weights as a plain model has them (each LoRALinear merged, on the CPU), for
+    save_pretrained's `state_dict=`: checkpoints of a LoRA run load like any other model. None when the model
+    has no LoRA."""
     if not any(isinstance(m, LoRALinear) for m in model.modules()):
         return None
     sd = {k: v.detach().cpu() for k, v in model.state_dict().items() if ".lora_" not in k}

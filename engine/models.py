@@ -10,6 +10,7 @@ final/, or its latest checkpoint's. The critic's class is starpo.Critic.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -74,6 +75,21 @@ def memory_metrics(device) -> dict:
         return {}
     return {"memory/peak_allocated_gib": torch.cuda.max_memory_allocated(device) / 2 ** 30,
             "memory/peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2 ** 30}
+
+
+@contextlib.contextmanager
+def visiting(model, device):
+    """`model` on `device` inside the block, back home after it (a KL reference kept in CPU memory while it
+    is idle: StarPO-S only measures the KL, on eval iterations). On its own device: nothing moves."""
+    home = next(model.parameters()).device
+    if home == device:
+        yield model
+        return
+    model.to(device)
+    try:
+        yield model
+    finally:
+        model.to(home)
 
 
 def _from_pretrained(cls, path, **kw):
@@ -224,7 +240,7 @@ def load_gguf(name: str, flag_name: str):
             from None
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are fp32 now: save them as a plain model
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config).float()
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
     return finish_policy(model.eval(), tok, name, flag_name), tok

@@ -1,12 +1,12 @@
 """Room and map generators of the paper's environments (RAGEN's, after gym-sokoban and gymnasium), and
 FrozenLake's expert: envs.py's Sokoban and FrozenLake draw their initial states here. A reader may skip it.
 
-Sokoban (gym-sokoban's generate_room, as RAGEN calls it): a random-walk floor plan, targets and a player placed
-at random, then reverse play (the player walks and pulls the box behind it, a depth-limited DFS, each state
-expanded once) keeps the state that scores best by box swaps x box displacement (0 where a target is covered),
-then 0-3 random player moves. One numpy Generator per reset (RAGEN: the global RNGs): the same algorithm and
-distribution, other rooms per seed. FrozenLake: RAGEN's generate_random_map (frozen with probability p,
-regenerated until a path avoids the holes); its maps equal RAGEN's on all 256 eval seeds.
+Sokoban (gym-sokoban's generate_room, as RAGEN calls it): a random-walk floor plan, targets and a player
+placed at random, then reverse play (the player walks and pulls the box behind it, a depth-limited DFS, each
+state expanded once) keeps the state that scores best by box swaps x box displacement (0 where a target is
+covered), then 0-3 random player moves. One numpy Generator per reset (RAGEN: the global RNGs): the same
+algorithm and distribution, other rooms per seed. FrozenLake: RAGEN's generate_random_map (frozen with
+probability p, regenerated until a path avoids the holes); its maps equal RAGEN's on all 256 eval seeds.
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""Starting and finishing a training run (train.py), once its config is checked: the processes (one per GPU
-under torchrun), the device, the policy, its KL reference, the critic, the memory levers, the optimizers, a
-resumed run's state, the run folder; at the end final/. Plumbing around the paper's loop: a reader may skip it.
+"""Starting and finishing a training run (train.py), once its config is checked: the processes (one per
+GPU under torchrun), the device, the policy, its KL reference, the critic, the memory levers, the optimizers,
+a resumed run's state, the run folder; at the end final/. Plumbing around the paper's loop: a reader may skip
+it.
 """
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from engine import distributed as dist
-from engine.checkpoint import open_run, read_checkpoint, read_metrics, restore_models, save_final, saved_settings
+from engine.checkpoint import (open_run, read_checkpoint, read_metrics, restore_models, save_final,
+                               saved_settings)
 from engine.lora import apply_levers
 from engine.models import load_critic, load_model_and_env, pick_device, run_policy, setup_device
 from monitor import EchoMonitor
@@ -18,8 +20,8 @@ from starpo import make_optimizer
 
 
 def start_run(cfg, out: Path, describe):
-    """-> (device, policy, tok, critic, ref, env overrides, start step, optimizers, monitor, metrics path). The
-    KL reference is a frozen copy of the initial policy (with LoRA None: the policy with its adapters off,
+    """-> (device, policy, tok, critic, ref, env overrides, start step, optimizers, monitor, metrics path).
+    The KL reference is a frozen copy of the initial policy (with LoRA None: the policy with its adapters off,
     verl's ref_in_actor). A resumed run restores weights, optimizers and monitor from its checkpoint. Rank 0
     prints the run's first line (`describe`) and opens its folder. ValueError on any bad input."""
     start, state, ck = (read_checkpoint(out, "cpu") if cfg.resume else None) or (0, None, None)
@@ -34,12 +36,15 @@ def start_run(cfg, out: Path, describe):
     policy, tok, path, env_kw = load_model_and_env(cfg, device)
     critic = load_critic(path, device) if cfg.algo == "ppo" else None
     ref = None if cfg.lora_rank else copy.deepcopy(policy).eval().requires_grad_(False)
+    if ref is not None and not cfg.kl_coef:  # only measured on eval iterations: kept in CPU memory till then
+        ref.to("cpu")
     kept = read_metrics(out / "metrics.jsonl", start) if ck and dist.is_main() else []
     apply_levers([policy, critic.backbone if critic is not None else None], cfg.lora_rank, cfg.lora_alpha,
                  cfg.grad_checkpoint, cfg.seed)
     opts = {"opt": make_optimizer(policy, cfg.lr),
             "critic_opt": make_optimizer(critic, cfg.critic_lr) if critic is not None else None}
-    if cfg.hindsight_imitation:  # beyond the paper: GCSL's own AdamW (a supervised step wants ~5x the RL step)
+    # beyond the paper: GCSL's own AdamW (a supervised step wants ~5x the RL step)
+    if cfg.hindsight_imitation:
         opts["imit_opt"] = make_optimizer(policy, cfg.imitation_lr, weight_decay=0.0, betas=(0.9, 0.95))
     monitor = EchoMonitor()
     if ck is not None:
@@ -60,7 +65,8 @@ def start_run(cfg, out: Path, describe):
 
 def inherit_rendering(cfg, explicit: set[str], keys):
     """A --model saved by train.py or sft_baseline.py (a run folder: its policy) is trained on prompts
-    rendered as it was trained (the settings `keys` of its train_config.json), unless a flag says otherwise."""
+    rendered as it was trained (the settings `keys` of its train_config.json), unless a flag says
+    otherwise."""
     cfg = replace(cfg, model=run_policy(cfg.model, "--model"))
     inherited = {k: v for k, v in saved_settings(cfg.model, keys, "--model").items() if k not in explicit}
     if inherited and dist.is_main():

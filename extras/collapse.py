@@ -1,16 +1,17 @@
-"""Template collapse (RAGEN-2, ragen/trainer/collapse_metrics.py), beyond the paper: `train.py --collapse-every K`.
+"""Template collapse (RAGEN-2, ragen/trainer/collapse_metrics.py), beyond the paper: train.py's
+`--collapse-every K`. The reasoning Z stays diverse (entropy looks healthy) but stops depending on the input.
 
-The reasoning Z stays diverse (entropy looks healthy) but stops depending on the input X. `collapse_metrics`
-estimates the mutual information I(X; Z) with the policy itself, by cross-scoring: each sampled reasoning z_i
-(a first turn's text between <think> and </think>) is scored under each distinct prompt x_j of the sample,
-l_ij = mean log-prob per token of z_i given x_j (teacher forcing, at the sampling temperature). With N prompts:
-    mi = mean_i l_i,own(i) - mean_i (logsumexp_j l_ij - log N)   (<= log N),   cond_entropy = -mean_i l_i,own(i)
+`collapse_metrics` estimates the mutual information I(X; Z) with the policy itself, by cross-scoring: each
+sampled reasoning z_i (a first turn's text between <think> and </think>) is scored under each distinct prompt
+x_j of the sample, l_ij = mean log-prob per token of z_i given x_j (teacher forcing, at the sampling
+temperature). With N prompts:
+    mi = mean_i l_i,own(i) - mean_i (logsumexp_j l_ij - log N)  (<= log N),  cond_entropy = -mean_i l_i,own(i)
     retrieval_acc = how often argmax_j l_ij is z_i's own prompt (or one with its tokens), against its chance.
 As RAGEN: 64 first turns sampled before the filter, columns per group, empty reasonings skipped; only RAGEN's
-per-token estimates, in float64 (RAGEN: float32). Without group ids the columns are the distinct prompts; one
-column gives mi = 0 and retrieval 1 = chance (RAGEN returns nothing below 2). The MI warning (`mi_check`) is
-this codebase's: MI below 0.5x its first 3 measurements twice in a row, when those were above 0.05 nats (on
-Bandit MI stays at +-0.002 nats, where a ratio alone fired on noise); RAGEN only logs MI.
+per-token estimates, in float64 (RAGEN: float32). Without group ids the columns are the distinct prompts;
+one column gives mi = 0 and retrieval 1 = chance (RAGEN returns nothing below 2). The MI warning
+(`mi_check`) is ours: MI below 0.5x its first 3 measurements twice in a row, when those were above 0.05 nats
+(on Bandit MI stays at +-0.002 nats, where a ratio alone fired on noise); RAGEN only logs MI.
 """
 from __future__ import annotations
 
@@ -45,8 +46,9 @@ THINK_RE = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 
 
 def think_text(reply: str, special_tokens: tuple[str, ...] = ()) -> str:
-    """RAGEN's reasoning z of one reply: the first <think>..</think> body (the reply must include the opening tag,
-    which this codebase pre-fills: prepend it), special tokens removed, stripped; "" when there is none."""
+    """RAGEN's reasoning z of one reply: the first <think>..</think> body (the reply must include the opening
+    tag, which this codebase pre-fills: prepend it), special tokens removed, stripped; "" when there is
+    none."""
     match = THINK_RE.search(reply)
     text = match.group(1) if match else ""
     for tok in special_tokens:
@@ -58,9 +60,9 @@ def cross_scores(model: torch.nn.Module, prompts: list[list[int]], thoughts: lis
                  temperature: float = 1.0, fused: bool = True) -> torch.Tensor:
     """l[i, j] = mean log-prob per token of thoughts[i] after prompts[j] -> [n, N] float32 (no grad).
 
-    Every (thought, prompt) pair is one right-padded row [prompt | thought]; `micro` rows run per forward, through
-    starpo.token_logprobs (its fused path runs the LM head on the thought tokens only; fused=False uses
-    model(...).logits, for any module with that interface)."""
+    Every (thought, prompt) pair is one right-padded row [prompt | thought]; `micro` rows run per forward,
+    through engine/logprobs.token_logprobs (its fused path runs the LM head on the thought tokens only;
+    fused=False uses model(...).logits, for any module with that interface)."""
     n, N = len(thoughts), len(prompts)
     device = next(model.parameters()).device
     pairs = [(i, j) for j in range(N) for i in range(n)]
@@ -79,14 +81,17 @@ def cross_scores(model: torch.nn.Module, prompts: list[list[int]], thoughts: lis
                 attn[r, :len(row)] = 1
                 read[r, len(prompts[j]):len(row)] = True
                 starts.append(len(prompts[j]))
-            logp, _ = token_logprobs(model, ids.to(device), attn.to(device), temperature, fused, positions=read)
-            # gather each thought's log-probs left-aligned before summing: the sum then runs in the same order
-            # whatever the prompt's length, so a policy that ignores its prompt scores exactly alike in every column
+            logp, _ = token_logprobs(model, ids.to(device), attn.to(device), temperature, fused,
+                                     positions=read)
+            # gather each thought's log-probs left-aligned before summing: the sum then runs in the same
+            # order whatever the prompt's length, so a policy that ignores its prompt scores exactly alike in
+            # every column
             z_len = torch.tensor([len(thoughts[i]) for i, _ in chunk])  # [b]
             offsets = torch.arange(int(z_len.max()))  # [Z]
             cols = (torch.tensor(starts)[:, None] + offsets).clamp(max=width - 1)  # [b, Z]
             inside = offsets < z_len[:, None]  # [b, Z]
-            z_logp = torch.where(inside.to(device), logp.float().gather(1, cols.to(device)), 0.0)  # [b, Z]
+            z_logp = torch.where(inside.to(device), logp.float().gather(1, cols.to(device)),
+                                 0.0)  # [b, Z]
             rows, cols_j = zip(*chunk)
             scores[list(rows), list(cols_j)] = z_logp.sum(dim=1).cpu() / z_len
     return scores
@@ -98,14 +103,17 @@ def collapse_metrics(model: torch.nn.Module, prompts: list[list[int]], thoughts:
     """RAGEN-2's template-collapse estimate on a sample of first turns (module docstring): prompts[i] and
     thoughts[i] are the token ids of sample i's prompt (through the opening <think>) and its reasoning.
     Samples with an empty reasoning are skipped, as in RAGEN; `group_ids` (optional, one per sample): columns
-    per group as RAGEN (deviation 3). -> {mi, cond_entropy, reasoning_entropy, retrieval_acc, retrieval_chance,
-    mi_upper_bound (log N), n_prompts (N), n_samples}; {} when no sample has a reasoning. Prefix the keys with
-    "collapse/" to log them (echo_check reads collapse/mi)."""
+    per group as RAGEN (a duplicated prompt then counts once per group in the marginal). -> {mi,
+    cond_entropy, reasoning_entropy, retrieval_acc, retrieval_chance, mi_upper_bound (log N), n_prompts (N),
+    n_samples}; {} when no sample has a reasoning. Prefix the keys with "collapse/" to log them (echo_check
+    reads collapse/mi)."""
     if len(prompts) != len(thoughts) or (group_ids is not None and len(group_ids) != len(prompts)):
-        raise ValueError(f"collapse_metrics needs one prompt and one thought per sample (and one group id if given),"
-                         f" got {len(prompts)}, {len(thoughts)}, {None if group_ids is None else len(group_ids)}")
+        raise ValueError(f"collapse_metrics needs one prompt and one thought per sample (and one group id if "
+                         f"given), got {len(prompts)}, {len(thoughts)}, "
+                         f"{None if group_ids is None else len(group_ids)}")
     if any(len(p) == 0 for p in prompts):
-        raise ValueError("collapse_metrics: a prompt is empty; the first reasoning token is predicted from it")
+        raise ValueError("collapse_metrics: a prompt is empty; the first reasoning token is predicted from "
+                         "it")
     keep = [i for i in range(len(thoughts)) if len(thoughts[i]) > 0]
     if not keep:
         return {}
@@ -142,11 +150,13 @@ def collapse_metrics(model: torch.nn.Module, prompts: list[list[int]], thoughts:
     }
 
 
-def measure_collapse(model, tok, trajs: list, samples: int, seed: int, amp=None, temperature: float = 1.0) -> dict:
-    """`collapse_metrics` on up to `samples` first turns of this iteration's rollouts, drawn uniformly without
-    replacement (RAGEN: 64, before the filter), columns by group as RAGEN's; -> its keys under "collapse/", plus
-    "time/collapse" (seconds). x = the first turn's prompt through the pre-filled <think> (the tokens before the
-    first sampled one, from the loss mask), z = the reasoning of its reply, re-tokenised."""
+def measure_collapse(model, tok, trajs: list, samples: int, seed: int, amp=None,
+                     temperature: float = 1.0) -> dict:
+    """`collapse_metrics` on up to `samples` first turns of this iteration's rollouts, drawn uniformly
+    without replacement (RAGEN: 64, before the filter), columns by group as RAGEN's; -> its keys under
+    "collapse/", plus "time/collapse" (seconds). x = the first turn's prompt through the pre-filled <think>
+    (the tokens before the first sampled one, from the loss mask), z = the reasoning of its reply,
+    re-tokenised."""
     t0 = time.time()
     pick = sorted(random.Random(seed).sample(range(len(trajs)), min(samples, len(trajs))))
     first = [trajs[i] for i in pick if trajs[i].turns and trajs[i].segments]

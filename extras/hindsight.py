@@ -4,14 +4,14 @@
         --max-actions-per-turn 1 --prompts 32 --rollouts 4          # the recipe: docs/results.md, "Hindsight"
 
 Neither the paper nor RAGEN has it. From the tiny prior, StarPO-S alone does not learn Sokoban on a CPU (the
-paper found RL weak on Sokoban: 20.3% against SFT's 74.6%): most rollouts fail, and a group whose rollouts all
-fail has no reward spread, so no GRPO signal. GCSL (Ghosh et al. 2019) turns a failed rollout into a success: a
-rollout that moved the box reached *some* goal, the cell where it left the box. Replayed with the target there
-(its loop-free turns only, each reply re-rendered from its parsed actions as RAGEN's ctx_manager does, with
---think a thought true of the relabelled room) it is a demonstration, which the policy imitates for K
-supervised passes after each RL update, on its own AdamW (`starpo.update` with advantage 1 and ratio 1: the
-gradient of the mean NLL). `--imitation-demos best`: each room's shortest solved rollout instead (expert
-iteration), what lifts RL from the SFT policy (docs/results.md).
+paper found RL weak on Sokoban: 20.3% against SFT's 74.6%): most rollouts fail, and a group whose rollouts
+all fail has no reward spread, so no GRPO signal. GCSL (Ghosh et al. 2019) turns a failed rollout into a
+success: a rollout that moved the box reached *some* goal, the cell where it left the box. Replayed with the
+target there (its loop-free turns only, each reply re-rendered from its parsed actions as RAGEN's ctx_manager
+does, with --think a thought true of the relabelled room) it is a demonstration, which the policy imitates
+for K supervised passes after each RL update, on its own AdamW (`starpo.update` with advantage 1 and ratio
+1: the gradient of the mean NLL). `--imitation-demos best`: each room's shortest solved rollout instead
+(expert iteration), what lifts RL from the SFT policy (docs/results.md).
 """
 from __future__ import annotations
 
@@ -59,9 +59,9 @@ def goal_env(env: str, overrides: dict, goal: tuple | None = None):
 
 
 def loop_free_turns(env, traj) -> list[int]:
-    """The turns of `traj` on its shortest way through the states it visited: a turn that leads back to a state
-    the episode was in (a bump into a wall, a step back, a loop) is cut with the turns in between. The actions
-    are stepped again on `env`, which ends where the episode ended."""
+    """The turns of `traj` on its shortest way through the states it visited: a turn that leads back to a
+    state the episode was in (a bump into a wall, a step back, a loop) is cut with the turns in between. The
+    actions are stepped again on `env`, which ends where the episode ended."""
     env.reset(traj.seed)
     states = [env.render()]
     for turn in traj.turns:
@@ -164,12 +164,13 @@ def imitate(demos: list, passes: int, policy, opt, ucfg: UpdateConfig, pad_id: i
     return m
 
 
-def imitation_step(cfg, trajs: list, policy, opt, ucfg: UpdateConfig, tok, rcfg: RolloutConfig, env_overrides: dict,
-                   gen: torch.Generator, amp) -> dict:
+def imitation_step(cfg, trajs: list, policy, opt, ucfg: UpdateConfig, tok, rcfg: RolloutConfig,
+                   env_overrides: dict, gen: torch.Generator, amp) -> dict:
     """One iteration's imitation (train.py's step 4b): the demos of its rollouts (`hindsight_demos`), then
     --hindsight-imitation supervised passes over them. -> metrics, time/imitation included."""
     t0 = time.time()
     demos = hindsight_demos(cfg.env, trajs, tok, rcfg, env_overrides, cfg.imitation_demos)
     policy.train()
-    m = imitate(demos, cfg.hindsight_imitation, policy, opt, ucfg, tok.pad_token_id, cfg.response_mask, gen, amp)
+    m = imitate(demos, cfg.hindsight_imitation, policy, opt, ucfg, tok.pad_token_id, cfg.response_mask, gen,
+                amp)
     return {**m, "time/imitation": time.time() - t0}

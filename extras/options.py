@@ -1,11 +1,11 @@
 """train.py's options beyond the paper: the rules their values must meet, and the words that name them in a
 run's first printed line. train.py imports this file only when a run uses one of them.
 
-Each option is opt-in (its default is the paper's method) and lives in its own file here: RAGEN HEAD's filter
-rules (filter_rules.py), turn rewards and bi-level GAE (turn_credit.py), RAGEN-2's template-collapse metrics
-(collapse.py), hindsight imitation (hindsight.py), verl-agent's GiGPO (gigpo.py); verl's dual clip is a
-keyword of starpo.policy_loss. An option's companion flag typed without it would change nothing, so that is an
-error too.
+Each option is opt-in (its default is the paper's method) and lives in its own file here: RAGEN HEAD's
+filter rules (filter_rules.py), turn rewards and bi-level GAE (turn_credit.py), RAGEN-2's template-collapse
+metrics (collapse.py), hindsight imitation (hindsight.py), verl-agent's GiGPO (gigpo.py); verl's dual clip
+is a keyword of starpo.policy_loss. An option's companion flag typed without it would change nothing, so
+that is an error too.
 """
 from __future__ import annotations
 
@@ -28,26 +28,31 @@ def rules(cfg) -> list[tuple[bool, str]]:
                   ("filter_eps", "--filter-strategy top_p", cfg.filter_strategy == "top_p"),
                   ("collapse_samples", "--collapse-every K", cfg.collapse_every > 0),
                   ("imitation_demos", "--hindsight-imitation K (K >= 1)", cfg.hindsight_imitation > 0),
-                  *[(k, "--algo gigpo", cfg.algo == "gigpo") for k in ("gigpo_weight", "gigpo_gamma", "gigpo_mode")]]
+                  *[(k, "--algo gigpo", cfg.algo == "gigpo")
+                    for k in ("gigpo_weight", "gigpo_gamma", "gigpo_mode")]]
     return [(switch or not changed(cfg, name), f"--{name.replace('_', '-')} {getattr(cfg, name)}: only with "
                                                f"{needs} (it changes nothing without)")
             for name, needs, switch in companions] + [
-        (not cfg.hindsight_imitation or supported(cfg.env), f"--hindsight-imitation {cfg.hindsight_imitation}: "
+        (not cfg.hindsight_imitation or supported(cfg.env),
+         f"--hindsight-imitation {cfg.hindsight_imitation}: "
          f"only for {sokobans} (this run: --env {cfg.env}; 0 turns it off)"),
         (cfg.filter_strategy != "top_k_abs" or float(cfg.filter).is_integer(), f"--filter {cfg.filter}: "
          f"--filter-strategy top_k_abs keeps a whole number of groups"),
-        (cfg.algo == "ppo" or not cfg.bi_level_gae, "--bi-level-gae: PPO only (it needs the critic's values)"),
-        (cfg.algo == "ppo" or not cfg.turn_rewards, "--turn-rewards: PPO only (GRPO credits the trajectory)"),
-        (not cfg.turn_rewards or cfg.context_turns == 0, f"--turn-rewards: needs --context-turns 0 (one row per "
-                                                         f"trajectory), got {cfg.context_turns}"),
-        (not cfg.bi_level_gae or cfg.response_mask, "--bi-level-gae: needs --response-mask (turns end at "
-                                                    "sampled tokens)"),
-        (not cfg.collapse_every or cfg.think, f"--collapse-every {cfg.collapse_every}: needs think mode (it scores "
-                                              f"the reasoning between <think> and </think>); this run has --no-think"),
-        (cfg.dual_clip == 0 or cfg.dual_clip > 1, f"--dual-clip {cfg.dual_clip}: must be > 1 (verl's clip_ratio_c; "
-                                                  f"0 = off)"),
-        (cfg.algo != "gigpo" or cfg.response_mask, "--algo gigpo: needs --response-mask (each turn's advantage "
-                                                   "sits on the tokens it sampled)"),
+        (cfg.algo == "ppo" or not cfg.bi_level_gae,
+         "--bi-level-gae: PPO only (it needs the critic's values)"),
+        (cfg.algo == "ppo" or not cfg.turn_rewards,
+         "--turn-rewards: PPO only (GRPO credits the trajectory)"),
+        (not cfg.turn_rewards or cfg.context_turns == 0,
+         f"--turn-rewards: needs --context-turns 0 (one row per trajectory), got {cfg.context_turns}"),
+        (not cfg.bi_level_gae or cfg.response_mask,
+         "--bi-level-gae: needs --response-mask (turns end at sampled tokens)"),
+        (not cfg.collapse_every or cfg.think,
+         f"--collapse-every {cfg.collapse_every}: needs think mode (it scores the reasoning between <think> "
+         f"and </think>); this run has --no-think"),
+        (cfg.dual_clip == 0 or cfg.dual_clip > 1,
+         f"--dual-clip {cfg.dual_clip}: must be > 1 (verl's clip_ratio_c; 0 = off)"),
+        (cfg.algo != "gigpo" or cfg.response_mask,
+         "--algo gigpo: needs --response-mask (each turn's advantage sits on the tokens it sampled)"),
     ]
 
 
@@ -56,8 +61,10 @@ def describe(cfg) -> tuple[str, bool]:
     "(modified)"; measuring the collapse metrics changes nothing)."""
     later = [k for k, on in (("filter " + cfg.filter_strategy, cfg.filter_strategy != "top_k"),
                              ("by " + cfg.filter_metric, cfg.filter_metric != "reward_std"),
-                             ("no zero groups", not cfg.filter_include_zero), ("turn rewards", cfg.turn_rewards),
-                             ("bi-level GAE", cfg.bi_level_gae), (f"dual clip {cfg.dual_clip:g}", cfg.dual_clip > 0))
+                             ("no zero groups", not cfg.filter_include_zero),
+                             ("turn rewards", cfg.turn_rewards),
+                             ("bi-level GAE", cfg.bi_level_gae),
+                             (f"dual clip {cfg.dual_clip:g}", cfg.dual_clip > 0))
              if on]
     parts = []
     if cfg.hindsight_imitation:

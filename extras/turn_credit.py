@@ -23,20 +23,22 @@ def at_positions(values: list[list[float]], positions: list[list[int]], T: int) 
     return out
 
 
-def bi_level_gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, turn_ends: torch.Tensor,
-                 gamma: float = 1.0, lam: float = 1.0,
+def bi_level_gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                 turn_ends: torch.Tensor, gamma: float = 1.0, lam: float = 1.0,
                  high_level_gamma: float = 0.95) -> tuple[torch.Tensor, torch.Tensor]:
-    """RAGEN's bi-level GAE: a turn-level GAE over the turns of a trajectory, then a token-level GAE inside each
-    turn (deviations 5 and 6).
+    """RAGEN's bi-level GAE: a turn-level GAE over the turns of a trajectory, then a token-level GAE inside
+    each turn (turn ends given, advantages unwhitened: the module docstring).
 
     token_rewards, values, mask: [B, T] as for `gae`, each turn's reward on its last reply token (a turn-level
     reward); turn_ends: [B, T] bool, True on the last sampled token of every turn (a subset of the mask that
     includes each row's last sampled token). With turn ends e_1 < ... < e_K of a row:
-      turn level (high_level_gamma, lam): delta_k = r[e_k] + high_level_gamma * V[e_{k+1}] - V[e_k] (V[e_{K+1}] = 0),
+      turn level (high_level_gamma, lam):
+        delta_k = r[e_k] + high_level_gamma * V[e_{k+1}] - V[e_k] (V[e_{K+1}] = 0),
         A[e_k] = delta_k + high_level_gamma * lam * A[e_{k+1}];
-      token level (gamma, lam), restarting at every turn end: the turn end keeps A[e_k] (its reward replaced by the
-        turn-level return A[e_k] + V[e_k], with nothing after it); any other sampled token t, whose next sampled
-        token is t', gets delta_t = r[t] + gamma * V[t'] - V[t], A[t] = delta_t + gamma * lam * A[t'].
+      token level (gamma, lam), restarting at every turn end: the turn end keeps A[e_k] (its reward replaced
+        by the turn-level return A[e_k] + V[e_k], with nothing after it); any other sampled token t, whose
+        next sampled token is t', gets delta_t = r[t] + gamma * V[t'] - V[t],
+        A[t] = delta_t + gamma * lam * A[t'].
     One turn: high_level_gamma never enters and the result is `gae` (tested).
     Returns (advantages [B, T], 0 outside the mask, returns = advantages + values), unwhitened.
     """
@@ -47,24 +49,28 @@ def bi_level_gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.
     if bool((ends & ~sampled).any()):
         raise ValueError("turn_ends marks a token outside mask; a turn ends on its last sampled token")
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)  # [B, T]
-    if bool((torch.where(sampled, positions, -1).amax(dim=1) != torch.where(ends, positions, -1).amax(dim=1)).any()):
-        raise ValueError("each row's last sampled token must be a turn end (turn_ends), or tokens would be left "
-                         "outside every turn")
+    if bool((torch.where(sampled, positions, -1).amax(dim=1)
+             != torch.where(ends, positions, -1).amax(dim=1)).any()):
+        raise ValueError("each row's last sampled token must be a turn end (turn_ends), or tokens would be "
+                         "left outside every turn")
     if bool(((token_rewards != 0) & ~sampled).any()):
-        raise ValueError("token_rewards has non-zero entries outside mask; rewards must sit on sampled tokens")
+        raise ValueError("token_rewards has non-zero entries outside mask; rewards must sit on sampled "
+                         "tokens")
     with torch.no_grad():
         rewards = token_rewards.float()
         vals = values.float()
         B, T = mask.shape
         zeros = torch.zeros(B, device=mask.device)
-        # one backward sweep does both levels: a turn end needs only later turn ends, a token only later tokens
+        # one backward sweep does both levels: a turn end needs only later turn ends, a token only later
+        # tokens
         next_end_value, running_turn = zeros, zeros  # [B] V and A at the next turn end (turn level)
         next_value, running = zeros, zeros  # [B] V and A at the next sampled token (token level)
         advantages = torch.zeros(B, T, device=mask.device)  # [B, T]
         for t in reversed(range(T)):
             turn_adv = rewards[:, t] + high_level_gamma * next_end_value - vals[:, t] \
                 + high_level_gamma * lam * running_turn  # [B] if t ends a turn
-            token_adv = rewards[:, t] + gamma * next_value - vals[:, t] + gamma * lam * running  # [B] otherwise
+            # [B] otherwise
+            token_adv = rewards[:, t] + gamma * next_value - vals[:, t] + gamma * lam * running
             end, on = ends[:, t], sampled[:, t]
             adv_t = torch.where(end, turn_adv, token_adv)
             running_turn = torch.where(end, turn_adv, running_turn)

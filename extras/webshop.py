@@ -1,77 +1,17 @@
-"""WebShop: open-domain shopping by search and click, the paper's fourth environment (RAGEN section 3.1).
+"""WebShop: shopping by search and click, the paper's fourth and only natural-language environment (RAGEN
+section 3.1): read an instruction, search a catalogue, open products, pick options, buy. A plain-Python text
+mode of princeton-nlp/WebShop (Yao et al. 2022; `web_agent_site/engine/engine.py`, `goal.py`, `normalize.py`,
+`envs/web_agent_text_env.py`): BM25 search, reward at [Buy Now] as goal.py's get_reward, success = (r == 1).
 
-The agent reads a shopping instruction, searches a product catalogue, opens products, picks options such as
-size and colour, and buys. It is the paper's only natural-language environment: it tests grounding and long
-interactions. This file re-implements, from its description and code read for facts only, the text mode of
-the original WebShop (Yao et al. 2022, princeton-nlp/WebShop: `web_agent_site/engine/engine.py`, `goal.py`,
-`normalize.py`, `envs/web_agent_text_env.py`) in plain Python:
-
-- pages: search -> results (10 per page, `[Next >]`, `[< Prev]`, `[Back to Search]`) -> item page (title,
-  price, rating, option groups, `[Description]`, `[Features]`, `[Reviews]`, `[Buy Now]`) -> sub-pages;
-- search: a hand-written BM25 (Lucene/Anserini defaults k1=0.9, b=0.4) over each product's title,
-  description, features, attributes and options; deterministic (ties broken by catalogue order);
-- reward at `[Buy Now]`, as the WebShop paper defines it (goal.py get_reward): r = r_type * (|attributes
-  met| + |options met| + 1[price <= bound]) / (|goal attributes| + |goal options| + 1), with r_type in
-  {0, 0.1, 0.5, 1} from the product type; `success` = (r == 1), as RAGEN binarises. Episodes that never
-  buy get 0 (the rollout's budget ends them);
-- data: a loader for the original files (products `items_shuffle*.json`, attributes `items_ins_v2*.json`,
-  human instructions `items_human_ins.json`, optional `reviews.json`, their JSON schema), and a small
-  catalogue that this file generates deterministically in that same schema (the default: real files cannot
-  be fetched here). `python webshop.py --write-catalogue DIR` writes it out; `WebShopEnv(data_dir=DIR)` (or
-  train/eval's `--webshop-data DIR`) loads a directory of real or written files.
-
-Public shape (the same as every env in envs.py):
     env = WebShopEnv(**overrides); env.reset(seed) -> obs; env.step("click[Buy Now]") -> (obs, r, done, info)
-    info: success, action_is_valid, action_is_effective, webshop_reward (raw score in [0, 1]), page, and at
-    the purchase r_type / r_att / r_option / r_price / asin.
-`env.actions` holds the two action FORMS, `["search[<words>]", "click[<element>]"]`; the rollout prints
-them once as "Available actions: search[<words>], click[<element>]". The concrete valid actions of the
-current page are `env.available_actions()` (every clickable, plus on the search page ten searches of random
-catalogue words). No action string contains "||" (the rollout's separator).
-Overrides: data_dir (None = generated catalogue), num_products (generated: 300; real: all, else the
-first N as WebShop does), catalogue_seed, human_goals, page_size, max_results, repeat_instruction.
+    python extras/webshop.py --write-catalogue DIR | --play SEED    # the generated files; an expert episode
 
-Train / eval split (module constant EVAL_SEEDS, the paper's 256 eval prompts 123..378): goals are shuffled
-as WebShop does (random.Random(233)), then permuted once as RAGEN does (random.Random(42) over all goal
-indices). RAGEN's `ragen/env/webshop/env.py` maps `reset(seed, mode)` to goal perm[seed % 500] for
-test/val and perm[500 + seed % (n - 500)] for train (an older version: perm[1500 + seed % (n - 1500)] for
-train, with val at 500..1499), so eval goals never train. We hold out the first H positions (H = 500 when
-there are >= 1000 goals, as RAGEN; H = 256 for smaller catalogues such as the shipped one); a seed in
-EVAL_SEEDS gets perm[seed % H], every other seed gets perm[H + seed % (n - H)].
-
-Budgets (not enforced here: every env caps nothing by itself). RAGEN's WebShop settings:
-`config/_6_webshop.yaml` agent_proxy.max_turn = 9, max_actions_per_turn = 1; `config/envs.yaml`
-WebShop max_actions_per_traj = 9 (max_tokens 200, rollout max_model_len 15000). See RAGEN_BUDGET.
-
-Deliberate deviations from WebShop / RAGEN:
-1. Pages are compact text, not HTML through BeautifulSoup: one line per element group, clickables written
-   as [label]; the instruction heads every page (`repeat_instruction=False`: only the search page). Long
-   real descriptions/features/reviews are cut to SUBPAGE_WORDS words. The item page adds a
-   "Selected: ..." line (WebShop's text_rich mode says "You have clicked ..."), so choosing an option
-   changes the page and is an effective action.
-2. Search is BM25 on our own tokens (lowercase alphanumerics, a classic English stopword list, a plural-s
-   strip instead of Lucene's Porter stemmer) over title + description + all features + attributes +
-   options (WebShop's index: title + description + first feature + options; attributes added for search).
-3. Type reward: WebShop keeps the nouns of both product names with spaCy; spaCy is not available here, so
-   "nouns" are the words of the name minus stopwords and a list of common adjectives/colours (NOT_NOUNS).
-   Fuzzy matching (thefuzz token_set_ratio > 85) is re-implemented with difflib.
-4. Option matches are capped at the number of goal options: the original counts per bought option and can
-   exceed it (reward > 1); the paper defines the share of goal options met.
-5. Randomness that WebShop draws from the global RNG is seeded: the price bound of each goal (random.Random
-   (0) over the goals in file order) and the price of products listed with a price range (uniform in the
-   range, seeded by the asin). The same files therefore always give the same goals.
-6. The split is chosen by the seed (EVAL_SEEDS or not), not by RAGEN's mode argument, since reset(seed)
-   has no mode. Synthetic goals (`human_goals=False`, RAGEN's default) are supported (our default: the human
-   instruction file); their sampling weights are not used (goals are indexed).
-7. Buttons win over option values with the same label, and of two option groups with the same value the
-   first wins (WebShop: the last one read). Product ids are matched case-insensitively.
-8. The expert is a privileged scripted policy: it searches with the goal's instruction (price clause and
-   filler words dropped), opens the result with the highest reward under the best options (paging with
-   Next/Prev to it), clicks the goal's options and buys. WebShop itself has no expert (its IL data are
-   human demonstrations).
-9. The generated catalogue (20 product types over WebShop's 5 categories, 300 products, 3 instructions
-   each = 900 goals, about 300 distinct words) stands in for the real 1.18M-product data; RAGEN itself
-   trains on WebShop's small 1k-product set with synthetic goals (`dataset: small`, human_goals False).
+`env.actions`: the two action forms; `env.available_actions()`: the current page's concrete ones. info:
+success, action_is_valid, action_is_effective, webshop_reward, page (on a buy: r_type, r_att, r_option,
+r_price, asin). Data: the original files (`data_dir=DIR`, `--webshop-data DIR`), by default a small catalogue
+generated in their schema. Split (RAGEN's `ragen/env/webshop/env.py`): goals shuffled as WebShop, permuted as
+RAGEN, the first H (500; 256 below 1000 goals) held out: a seed in EVAL_SEEDS gets perm[seed % H], any other
+perm[H + seed % (n - H)]. Budget: RAGEN_BUDGET. Deviations from WebShop / RAGEN: docs/faithfulness.md.
 """
 from __future__ import annotations
 
@@ -91,7 +31,9 @@ from dataclasses import dataclass, field
 # ----------------------------------------------------------------------------- constants
 
 EVAL_SEEDS = range(123, 379)          # the paper's 256 fixed eval prompts (section 3.3)
-RAGEN_BUDGET = {"max_turns": 9, "max_actions_per_turn": 1, "max_actions": 9}  # RAGEN's WebShop config
+# RAGEN's WebShop config (config/_6_webshop.yaml agent_proxy, config/envs.yaml max_actions_per_traj);
+# no env enforces it by itself: the rollout's budget does
+RAGEN_BUDGET = {"max_turns": 9, "max_actions_per_turn": 1, "max_actions": 9}
 PRICE_RANGE = [10.0 * i for i in range(1, 100)]   # WebShop goal.py: candidate price bounds
 SEARCH_RETURN_N = 50                  # WebShop engine: results kept per search
 PRODUCT_WINDOW = 10                   # WebShop engine: products per results page
@@ -166,7 +108,8 @@ def normalize_color(value: str) -> str:
 
 
 def name_nouns(name: str) -> set[str]:
-    """Stand-in for spaCy's NOUN/PROPN filter (deviation 3)."""
+    """Stand-in for spaCy's NOUN/PROPN filter (spaCy is not available here): the name's words minus
+    NOT_NOUNS."""
     return {t for t in re.findall(r"[a-z]+", name.lower()) if len(t) > 1 and t not in NOT_NOUNS}
 
 
@@ -217,7 +160,7 @@ def bm25_search(index: BM25, query: str, k: int) -> list[int]:
     return sorted(scores, key=lambda d: (-scores[d], d))[:k]
 
 
-# ----------------------------------------------------------------------------- reward (WebShop goal.py get_reward)
+# ------------------------------------------------------------------------ reward (WebShop goal.py get_reward)
 
 def type_reward(product: dict, goal: dict) -> dict:
     """goal.py get_type_reward: same query, >= 2 shared category levels, or > 0.2 of the goal name's nouns."""
@@ -275,7 +218,8 @@ def webshop_reward(product: dict, goal: dict, price: float, options: dict) -> tu
     t = type_reward(product, goal)
     n_att = attribute_matches(product, goal["attributes"])
     n_opt = sum(option_match(product, k, v, norm_goal) for k, v in options.items())
-    n_opt = min(n_opt, len(goal_opts))                      # deviation 4
+    # the paper's share of goal options met (WebShop's count per bought option can exceed it: reward > 1)
+    n_opt = min(n_opt, len(goal_opts))
     r_price = price <= goal["price_upper"]
     denom = len(goal["attributes"]) + len(goal_opts) + 1
     reward = t["r_type"] * (n_att + n_opt + int(r_price)) / denom
@@ -432,7 +376,7 @@ def write_catalogue(out_dir: str, num_products: int = DEFAULT_NUM_PRODUCTS, seed
     return paths
 
 
-# ----------------------------------------------------------------------------- loader (engine.py load_products)
+# --------------------------------------------------------------------------- loader (engine.py load_products)
 
 def _first_existing(data_dir: str, names: tuple[str, ...]) -> str:
     for n in names:
@@ -783,7 +727,8 @@ class WebShopEnv:
 
         def button(label: str, element: tuple) -> str:
             key = " ".join(label.lower().split())
-            if key not in click:           # deviation 7: the first element with a label keeps it
+            # the first element with a label keeps it (WebShop: the last one read)
+            if key not in click:
                 click[key] = element
                 labels.append(label)
             return f"[{label}]"
@@ -910,12 +855,15 @@ class WebShopEnv:
 
 def main(argv=None):
     from engine import cli
-    ap = cli.Parser(description="WebShop environment: write the generated catalogue as the original files, or "
-                                "print the expert's episode for one goal. (Baselines: python eval.py --env webshop "
-                                "--policy expert|random --max-turns 9 --max-actions-per-turn 1 --max-actions 9)")
-    ap.add_argument("--write-catalogue", metavar="DIR", help="write the generated catalogue's JSON files into DIR")
+    ap = cli.Parser(description="WebShop environment: write the generated catalogue as the original "
+                                "files, or print the expert's episode for one goal. (Baselines: python "
+                                "eval.py --env webshop --policy expert|random --max-turns 9 "
+                                "--max-actions-per-turn 1 --max-actions 9)")
+    ap.add_argument("--write-catalogue", metavar="DIR",
+                    help="write the generated catalogue's JSON files into DIR")
     ap.add_argument("--play", type=int, metavar="SEED", help="print the expert's episode for one seed (>= 0)")
-    ap.add_argument("--data-dir", default=None, help="original WebShop files (default: the generated catalogue)")
+    ap.add_argument("--data-dir", default=None,
+                    help="original WebShop files (default: the generated catalogue)")
     ap.add_argument("--num-products", type=int, default=None, help="products to load (generated: 1..999)")
     ap.add_argument("--max-actions", type=int, default=RAGEN_BUDGET["max_actions"],
                     help=f"actions of --play (RAGEN: {RAGEN_BUDGET['max_actions']})")
@@ -935,12 +883,14 @@ def main(argv=None):
             there = [n for n in names if os.path.exists(os.path.join(args.write_catalogue, n))]
             cli.check([(not os.path.exists(args.write_catalogue) or os.path.isdir(args.write_catalogue),
                         f"--write-catalogue {args.write_catalogue}: exists and is not a folder"),
-                       (not there, f"--write-catalogue {args.write_catalogue}: {', '.join(there)} already there; "
-                                   f"choose another folder (nothing is overwritten)")])
+                       (not there, f"--write-catalogue {args.write_catalogue}: {', '.join(there)} already "
+                                   f"there; choose another folder (nothing is overwritten)")])
             cli.run_folder(args.write_catalogue, "--write-catalogue", overwrite=False)
-        env = WebShopEnv(data_dir=args.data_dir, num_products=args.num_products) if args.play is not None else None
+        env = (WebShopEnv(data_dir=args.data_dir, num_products=args.num_products) if args.play is not None
+               else None)
     except ValueError as e:
-        cli.fail(str(e).replace("webshop data_dir", "--data-dir").replace("webshop num_products=", "--num-products "))
+        cli.fail(str(e).replace("webshop data_dir", "--data-dir")
+                 .replace("webshop num_products=", "--num-products "))
     if args.write_catalogue is not None:
         for path in write_catalogue(args.write_catalogue, args.num_products or DEFAULT_NUM_PRODUCTS):
             print("wrote", path)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -50,3 +51,16 @@ def test_wilson_interval():
     assert lo == 0 and 0 < hi < 0.02
     lo, hi = wilson(128, 256)
     assert lo < 0.5 < hi and hi - lo == pytest.approx(2 * 1.96 * math.sqrt(0.25 / 256), rel=0.02)
+
+
+def test_eval_runs_in_chunks_of_128_rows_on_cuda(monkeypatch):
+    """Issue 50: on CUDA the periodic eval decodes at most 128 episodes at once (the engine's rows: a
+    256-row KV cache would not fit beside training under a 22.5 GiB cap); a CPU keeps its 256."""
+    import eval as eval_py
+    assert eval_py.eval_batch(torch.device("cuda")) == 128 and eval_py.eval_batch(torch.device("cpu")) == 256
+    sizes = []
+    monkeypatch.setattr(eval_py, "rollout", lambda env, seeds, *a, **k: sizes.append(len(seeds)) or [])
+    monkeypatch.setattr(eval_py, "summarize", lambda trajs, scripted=False: {})
+    monkeypatch.setattr(eval_py, "eval_batch", lambda device: 128)
+    eval_py.evaluate("bandit", None, agent=object(), prompts=256)
+    assert sizes == [128, 128]

@@ -177,3 +177,26 @@ def test_model_kind_follows_the_model_size(tmp_path):
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{not json")
     assert policy.model_kind(str(tmp_path / "broken")) == "hf"
+
+
+def test_memory_cap_passes_the_current_cuda_index_and_empties_the_cache_first(monkeypatch):
+    """Issue 50: `--memory-cap` on `cuda` (no index, as pick_device("auto") gives it) raised "Expected a
+    torch.device with a specified index" in torch. The cap is set for the current device's index, after
+    emptying the caching allocator (what earlier work left there is not this run's)."""
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: type("P", (), {"total_memory": 80 * 2 ** 30}))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: "a card")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: calls.append("empty"))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda frac, device: calls.append((round(frac, 6), device)))
+    cudnn = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        policy.setup_device(torch.device("cuda"), memory_cap=22.5)
+        policy.setup_device(torch.device("cuda", 1), memory_cap=40)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    assert calls == ["empty", (round(22.5 / 80, 6), 3), "empty", (0.5, 1)]
+    assert all(isinstance(c[1], int) for c in calls if c != "empty")
+    with pytest.raises(ValueError, match="larger than this card's 80.0 GiB"):
+        policy.setup_device(torch.device("cuda"), memory_cap=81)

@@ -114,14 +114,14 @@ def test_engine_forward_equals_hugging_face(small):
             eng.pos[:3] = torch.tensor([len(p) for p in prompts])
             eng.ids[:3, 0] = torch.tensor([5, 6, 7])
             eng.width = max(map(len, prompts)) + 1
-            step = eng.step(3, full=False)                                       # [3, V]
+            step = eng.step(3, eng.width)                                        # [3, V]
             for i, p in enumerate(prompts):
                 ref = model(torch.tensor([p + [5 + i]])).logits[0].float()       # [t, V]
                 assert torch.allclose(got[i], ref[-2], atol=1e-4), (type(model).__name__, i)
                 assert torch.allclose(step[i], ref[-1], atol=1e-4), (type(model).__name__, i)
-                full = eng.step(3, full=True)[i]                                # the graphs' shape: whole capacity
+                full = eng.step(3, eng.capacity)[i]                             # a graph's: more columns
                 assert torch.allclose(full, ref[-1], atol=1e-4)
-                eng.pos[:3] = torch.tensor([len(q) for q in prompts])           # full=True wrote the same column
+                eng.pos[:3] = torch.tensor([len(q) for q in prompts])           # it wrote the same column
 
 
 def test_engine_cache_holds_its_episodes_tokens(small):
@@ -130,7 +130,7 @@ def test_engine_cache_holds_its_episodes_tokens(small):
     model, tok = small
     prompts = first_prompts(tok, [1000, 1000, 1001])
     eng = S.Engine(model, tok, rows=3)
-    replies = eng.generate([0, 1, 2], prompts, 12, 1.0, torch.Generator().manual_seed(0))
+    replies, _ = eng.generate([0, 1, 2], prompts, 12, 1.0, torch.Generator().manual_seed(0))
     kw = cache_keyword(model)
     for row, (p, r) in enumerate(zip(prompts, replies)):
         ids = p + r[:-1]
@@ -176,7 +176,7 @@ def test_engine_samples_the_models_distribution_at_temperature(small):
     prompt = first_prompts(tok, [1000])[0]
     n, temp = 3000, 2.0
     eng = S.Engine(model, tok, rows=n, sync_every=8)
-    replies = eng.generate(list(range(n)), [prompt] * n, 2, temp, torch.Generator().manual_seed(0))
+    replies, _ = eng.generate(list(range(n)), [prompt] * n, 2, temp, torch.Generator().manual_seed(0))
     with torch.no_grad():
         p1 = torch.softmax(model(torch.tensor([prompt])).logits[0, -1] / temp, -1)            # [V]
         firsts = sorted({r[0] for r in replies} | set(p1.topk(20).indices.tolist()))
@@ -270,5 +270,109 @@ def test_cuda_graphs_give_the_eager_engines_replies(small):
     for graphs in (False, True):
         eng = S.Engine(model, tok, rows=6, graphs=graphs)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            out[graphs] = eng.generate(list(range(6)), prompts, 40, 0.0, None)
+            out[graphs] = eng.generate(list(range(6)), prompts, 40, 0.0, None)[0]
+    assert out[True] == out[False]
+
+
+# ---- issue 50: the engine kept across rollouts, its log-probs, bf16 weight copies, sync-free sampling
+
+def test_one_engine_serves_every_rollout_as_a_fresh_one_would(small):
+    """The engine is kept per model (one a process, its capacity and graphs reserved once): two rollouts
+    after each other, on other prompts, give what a fresh engine per rollout gives, token for token."""
+    model, tok = small
+    cfg = R.RolloutConfig(max_new_tokens=20, temperature=1.0)
+    kept = [R.rollout("sokoban", SEEDS[a:a + 8], list(range(8)), cfg, tokenizer=tok, model=model,
+                      generator=torch.Generator().manual_seed(a)) for a in (0, 8)]
+    assert S._ENGINES.get(model) is not None
+    fresh = []
+    for a in (0, 8):
+        S._ENGINES.pop(model, None)
+        fresh.append(R.rollout("sokoban", SEEDS[a:a + 8], list(range(8)), cfg, tokenizer=tok, model=model,
+                               generator=torch.Generator().manual_seed(a)))
+    for x, y in zip(kept, fresh):
+        assert [t.segments[0].input_ids for t in x] == [t.segments[0].input_ids for t in y]
+
+
+def test_the_samplers_log_probs_are_the_models(small):
+    """Each sampled token's log-prob, as the engine and the reference path record it (Segment.logp), is the
+    model's own at the sampling temperature (the train-inference mismatch is ~0 in fp32 on a CPU)."""
+    from engine.logprobs import token_logprobs
+    model, tok = small
+    for kv in (True, False):
+        cfg = R.RolloutConfig(max_new_tokens=16, temperature=0.7, kv_cache=kv, max_turns=2)
+        trajs = R.rollout("sokoban", SEEDS[:4], list(range(4)), cfg, tokenizer=tok, model=model,
+                          generator=torch.Generator().manual_seed(0))
+        for t in trajs:
+            seg = t.segments[0]
+            ids = torch.tensor([seg.input_ids])
+            with torch.no_grad():
+                want = token_logprobs(model, ids, torch.ones_like(ids), 0.7, fused=False)[0][0]
+            got = torch.tensor(seg.logp)
+            sampled = torch.tensor(seg.loss_mask) > 0
+            assert torch.isnan(got[~sampled]).all() and not torch.isnan(got[sampled]).any()
+            assert torch.allclose(got[sampled], want[sampled], atol=1e-4), kv
+
+
+def test_bf16_weight_copies_compute_what_autocast_computes(small):
+    """On CUDA the engine runs on bf16 copies of the weights (refreshed once per rollout), not autocast's casts
+    at every replay: the same rounding, so the same replies (here on a CPU, under CPU autocast)."""
+    tok = small[1]
+    model = chaotic_model(tok, 2)
+    prompts = first_prompts(tok, SEEDS[:4])
+    out = {}
+    for dtype in (None, torch.bfloat16):
+        eng = S.Engine(model, tok, rows=4, weights_dtype=dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out[dtype] = eng.generate(list(range(4)), prompts, 20, 0.0, None)[0]
+    assert out[None] == out[torch.bfloat16]
+    with torch.no_grad():  # the copies follow the weights: refreshed at the next rollout's start
+        for p in model.parameters():
+            p.mul_(1.5)
+    eng.start()
+    assert torch.equal(eng.weights.layers[0]["q_proj"][0], model.model.layers[0].self_attn.q_proj.weight.bfloat16())
+
+
+def test_exponential_sampling_draws_the_distribution_without_host_syncs(small, monkeypatch):
+    """The CUDA path samples argmax(p / Exp(1)): the same distribution as multinomial (chi-square), with no
+    multinomial and no .item() / .tolist() in the sampling (they sync the host on CUDA)."""
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    logits = probs.log().repeat(20000, 1)
+    monkeypatch.setattr(torch, "multinomial", lambda *a, **k: (_ for _ in ()).throw(AssertionError("synced")))
+    for name in ("item", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, lambda *a, **k: (_ for _ in ()).throw(AssertionError(name)))
+    t = S.sample(logits, 1.0, torch.Generator().manual_seed(0), exponential=True)
+    monkeypatch.undo()
+    counts = torch.bincount(t, minlength=5).tolist()
+    assert chi2_pvalue_above(counts, probs.tolist())
+    assert not chi2_pvalue_above(counts, [0.2] * 5)  # and the test can tell another distribution
+
+
+def test_dynamic_rope_is_refused_for_cuda_graphs(small):
+    from transformers import Qwen2Config
+    cfg = Qwen2Config(rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    assert S.dynamic_rope(type("M", (), {"config": cfg})())
+    assert not S.dynamic_rope(small[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_equal_eager_when_sampling_with_ragged_stops_and_growth(small):
+    """The production setting (setup_device: no cuDNN attention): at temperature 1 with a seeded generator the
+    graphs draw the tokens the eager engine draws; replies stop at different steps (rows compacted into smaller
+    buckets); a second call needs more columns (the cache grows, the graphs are captured again)."""
+    from engine.models import setup_device
+    setup_device(torch.device("cuda"))
+    tok = small[1]
+    model = chaotic_model(tok, 3).cuda()
+    prompts = first_prompts(tok, SEEDS[:12])
+    out = {}
+    for graphs in (False, True):
+        eng = S.Engine(model, tok, rows=12, graphs=graphs)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            first = eng.generate(list(range(12)), prompts, 24, 1.0, torch.Generator("cuda").manual_seed(0))[0]
+            cap = eng.capacity
+            longer = [p + r + p for p, r in zip(prompts, first)]  # the next turn: more than the capacity
+            second = eng.generate(list(range(12)), longer, 24, 1.0, torch.Generator("cuda").manual_seed(1))[0]
+        assert eng.capacity > cap
+        out[graphs] = (first, second)
+    assert len({len(r) for r in out[True][0]}) > 1  # ragged stops
     assert out[True] == out[False]

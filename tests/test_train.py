@@ -261,3 +261,43 @@ def test_ragens_later_options_run_and_log(bandit_tiny, tmp_path):
     rows = read_jsonl(tmp_path / "b" / "metrics.jsonl")
     assert len(rows) == 2 and all(r["train/skipped_empty_filter"] == 1 for r in rows)
     assert "the filter kept no group 2 iterations in a row" in p.stdout + p.stderr
+
+
+def test_plot_labels_name_only_settings_two_runs_set_differently():
+    """Issue 53.13: docs/main_command.png's legend said the seeds ran different code, because one run's config
+    left a later opt-in unset (None) where the others named its default."""
+    from tools.plot import run_labels
+    cfgs = {"r/s0": {"seed": 0, "imitation_demos": None, "lr": 1e-4},
+            "r/s1": {"seed": 1, "imitation_demos": "hindsight", "lr": 1e-4},
+            "r/s2": {"seed": 2, "lr": 1e-4}}
+    assert run_labels(cfgs) == ({"r/s0": "s0 (seed 0)", "r/s1": "s1 (seed 1)", "r/s2": "s2 (seed 2)"}, ["seed"])
+    cfgs["r/s2"]["lr"] = 2e-3
+    assert run_labels(cfgs)[0]["r/s2"] == "s2 (lr 0.002, seed 2)"
+
+
+def test_the_readme_commands_run_in_order_without_a_collision():
+    """Issue 53.4: run in the README's order, the Echo Trap and hindsight commands found the main command's folder
+    taken. Every train.py / sft_baseline.py command in the README gets a run folder of its own, and a command that
+    reads another's output (--model runs/...) comes after the one that writes it."""
+    import re
+    import shlex
+    import sft_baseline
+    from engine import cli
+    text = (ROOT / "README.md").read_text()
+    commands = [c.split("#")[0] for c in re.findall(r"python (?:train|sft_baseline)\.py [^`\n]*", text)]
+    assert len(commands) >= 6
+    outs = []
+    for c in commands:
+        script, *argv = shlex.split(c)[1:]
+        if "--model" in argv and "Qwen" in argv[argv.index("--model") + 1]:
+            continue  # the GPU section's hub runs
+        if script == "train.py":
+            cfg, explicit = cli.parse(train.Config, argv, presets=train.PRESETS)
+            cfg = train.derive(cfg, explicit)
+        else:
+            cfg = sft_baseline.derive(cli.parse(sft_baseline.Config, argv)[0])
+        reads = argv[argv.index("--model") + 1] if "--model" in argv else None
+        if reads and reads.startswith("runs/"):
+            assert any(reads.startswith(o + "/") or reads == o for o in outs), (c, outs)
+        outs.append(cfg.out)
+    assert len(outs) == len(set(outs)), outs

@@ -1,51 +1,17 @@
-"""Benchmarks, one section per concept: `python bench.py` runs every section, `python bench.py fused` one.
+"""Benchmarks, one section per concept (speed and memory targets live here, never in timed tests).
 
-Sections (a plain dict below, SECTIONS):
-  fused  forward + backward of the fused chunked log-prob/entropy path (starpo.fused_logprobs_entropy) against
-         the naive full-logits path at the Qwen2.5-0.5B head shape (H = 896, V = 151,936), fp32: median time
-         and peak memory of each, and the ratio fused/naive measured in the same run (the targets: peak
-         memory <= 1/8 of naive, time <= 1.3x). The reference shape is 4 x 1024 tokens:
-             python bench.py fused --fused-seqs 4 --fused-seq-len 1024
-         (about 12 GB of RAM and about 10 minutes on one CPU thread). The default, 1 x 1024 tokens in chunks
-         of 256 (the same 4 chunks per call), stays near two minutes on a 2-core laptop; at so few tokens the
-         fixed 519 MiB weight gradient dominates the fused peak, so read the memory target at the reference shape.
-  rollout  generated tokens/s of rollout.rollout on the engine (sampler.Engine: all live episodes of a turn in
-         one batch, each episode's KV cache kept) against the reference path (RolloutConfig.kv_cache=False: the
-         Hugging Face forward, every turn re-prefilled) batched and one episode at a time, for P = 8 prompts x N = 16
-         rollouts on `--model` (default: the tiny policy) in Sokoban at temperature 1.0: medians of --repeats
-         runs, and the ratios within each run.
-  prefix forward + backward of starpo.token_logprobs on one batch of 32 SFT rows (1-turn Sokoban windows of
-         the expert) with the prompt header that all rows share run once (prefix_len) vs in every row, and
-         with the LM head run on the reply tokens only (positions=, as sft_baseline.py does).
-  prior  the untrained policy on every env, think and no-think, at temperatures 0.5 (eval) and 1.0 (training):
-         well-formed replies per turn (the target: >= 90%), valid actions, success, next to the random
-         agent's success on the same 64 eval seeds (a markdown table for the README).
-  noise  how much of one training batch's policy gradient is signal: K independent batches built exactly as
-         train.py builds them (new rooms at each, its filter and advantages, `--noise-train-args` are its flags),
-         each one gradient g_k (ratio 1, no entropy bonus, no clipping), then |E g|^2 (unbiased: (|sum g|^2 -
-         sum |g|^2) / (K (K-1))), tr Cov (one batch's noise), their ratio B = tr Cov / |E g|^2 (the "simple
-         noise scale" of McCandlish et al. 2018: the batches an optimizer step needs before its signal matches
-         its noise) and the mean cosine between two batches' gradients. The control: the same batches with each
-         row's advantages times a random sign, whose |E g|^2 is 0, so its estimate shows the estimate's error.
-             python bench.py noise --noise-train-args "--env sokoban --algo grpo --filter 0.25" --noise-batches 24
-  gpu    the GPU check, one JSON line per configuration (keys decode_ms_per_step, rollout_s, update_s,
-         iteration_s, peak_gib): sampler.Engine's decode step at 8 x 16 rows eager and as CUDA graphs, one PPO
-         iteration of train.py at the paper's budgets (5 turns, 400-token replies, critic), the same under a 24 GiB
-         cap (--memory-cap 24 --grad-checkpoint), and with --gpu-3b GRPO + LoRA on Qwen2.5-3B shapes. Random weights with
-         Qwen2.5-0.5B-Instruct's shapes, no download; about 5 minutes on one H100:
-             python bench.py gpu
-         On a CPU with small shapes (a test runs it): python bench.py gpu --device cpu --layers 2 --hidden 64 ...
+    python tools/bench.py [fused] [rollout] [prefix] [prior] [gpu]      (default: every section; gpu needs CUDA)
 
-Peak memory: on CUDA, torch.cuda.max_memory_allocated() minus the allocation before the call (exact, counts
-only tensors). On CPU (torch has no CPU allocator statistics), the process's peak resident set size: the Linux
-high-water mark VmHWM is reset through /proc/self/clear_refs before each call and read after it, minus VmRSS
-before it; this counts every page the process touched, so it is slightly pessimistic but never misses a
-short-lived tensor. Where that reset is not allowed, a thread samples VmRSS every millisecond instead (can miss
-peaks shorter than that). Either way the measured path runs with torch.set_num_threads(--threads), default 1:
-with 2 threads small forward/backward passes were erratic and up to 10x slower on 2-core machines.
-
-Deviations from the paper / RAGEN: none; these are measurements, not methods (the paper reports no such
-benchmarks). The `fused` section times fp32 on CPU; the paper's runs use bf16 on GPU.
+  fused    the fused chunked log-prob/entropy path against full logits at Qwen2.5-0.5B's head: time, peak memory
+  rollout  generated tokens/s of the engine against the reference path (re-prefill; one episode at a time),
+           on --model and, with --rollout-deep N, on a random N-layer model of the tiny prior's widths
+  prefix   the shared prompt header run once per batch against once per row, forward + backward
+  prior    the untrained policy's format rate, valid actions and success on every env
+  gpu      the GPU check: decode ms/step eager and as CUDA graphs, PPO at the paper's budgets with and without
+           a memory cap, one JSON line per configuration (details: docs/engine.md)
+Each section prints medians of --repeats runs and ratios measured in the same run. Peak memory: CUDA's
+allocator statistics; on a CPU the process's peak RSS (Linux VmHWM, reset before each call). The measured code
+runs with --threads 1 by default: 2 threads made small models erratic and up to 10x slower on 2-core machines.
 """
 
 from __future__ import annotations
@@ -62,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for python tools/bench.py
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the repository root, for python tools/bench.py
 from engine import cli  # noqa: E402
 from engine.logprobs import fused_logprobs_entropy, naive_logprobs_entropy  # noqa: E402
 
@@ -150,6 +117,12 @@ def _sync(device: torch.device):
 # ----------------------------------------------------------------------------------------------------------
 
 def bench_fused(args) -> dict:
+    """Forward + backward of engine.logprobs.fused_logprobs_entropy against the naive full-logits path, fp32,
+    at the Qwen2.5-0.5B head (H = 896, V = 151,936); targets: peak memory <= 1/8 of naive, time <= 1.3x. The
+    reference shape, 4 x 1024 tokens (about 12 GB of RAM, 10 minutes on one CPU thread):
+        python tools/bench.py fused --fused-seqs 4 --fused-seq-len 1024
+    The default 1 x 1024 tokens (the same 4 chunks per call) takes about two minutes; at so few tokens the fixed
+    519 MiB weight gradient dominates the fused peak, so read the memory target at the reference shape."""
     device = torch.device(args.device)
     n = args.fused_seqs * args.fused_seq_len
     H, V = args.fused_hidden, args.fused_vocab
@@ -237,16 +210,43 @@ def _load(args):
     return model.eval(), tok, path
 
 
+def _deep_copy_of_prior(layers: int, device):
+    """A random Qwen2 with the tiny prior's tokenizer and widths but `layers` layers: the per-layer work that a
+    real model has and the prior lacks (review of 73ef042: the engine was 1.15x slower on the prior, 1.16x on
+    24 layers). Random weights rarely end a reply, so replies run to the token budget."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from engine.models import PRIOR_DIR, load_policy
+    _, tok, _ = load_policy("tiny", device=device)
+    config = AutoConfig.from_pretrained(PRIOR_DIR)
+    config.num_hidden_layers = layers
+    config.layer_types = ["full_attention"] * layers
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).to(device).eval(), tok
+
+
 def bench_rollout(args) -> dict:
     """Generated tokens/s of one P x N rollout three ways: one episode at a time (each turn re-prefills its whole
-    conversation), all episodes in one batch re-prefilling (RolloutConfig.kv_cache=False), and the batch that keeps
-    each episode's KV cache across turns and prefills each group's first prompt once (the default); medians of
-    --repeats runs and the ratios within each run, the peak memory of each, then whether they sample the same
-    trajectories (token ids, loss masks, rewards): all three under greedy decoding, and the two batched ones at
-    the benchmark's temperature, which draw from one generator in the same order."""
+    conversation), all episodes in one batch re-prefilling (RolloutConfig.kv_cache=False), and the engine (the
+    default: each episode's KV cache kept, each group's first prompt prefilled once); medians of --repeats runs
+    and the ratios within each run, the peak memory of each, then whether they sample the same trajectories
+    (token ids, loss masks, rewards): all three greedy, and the two batched ones at the benchmark's temperature,
+    which draw from one generator in the same order. With --rollout-deep N, the two batched ways again on a
+    random N-layer copy of the tiny prior (one at a time would take too long there)."""
+    from engine.models import load_policy
+    device = torch.device(args.device)
+    model, tok, path = load_policy(args.model, device=device)
+    out = {"model": _rollout_one(args, model.eval(), tok, f"{args.model} ({path})", single=True)}
+    if args.rollout_deep:
+        del model
+        deep, tok = _deep_copy_of_prior(args.rollout_deep, device)
+        out["deep"] = _rollout_one(args, deep, tok, f"random {args.rollout_deep}-layer copy of tiny", single=False)
+    return {**out["model"], **({"deep": out["deep"]} if "deep" in out else {})}
+
+
+def _rollout_one(args, model, tok, label: str, single: bool) -> dict:
     from envs import EVAL_SEEDS
     from rollout import RolloutConfig, rollout
-    model, tok, path = _load(args)
     P, N = args.rollout_prompts, args.rollout_n
     seeds = [s for s in EVAL_SEEDS[:P] for _ in range(N)]            # P prompts x N rollouts, grouped
     groups = [g for g in range(P) for _ in range(N)]
@@ -255,17 +255,23 @@ def bench_rollout(args) -> dict:
     device = torch.device(args.device)
 
     def batched(gen, c):
-        return rollout(args.rollout_env, seeds, groups, c, tokenizer=tok, model=model, generator=gen, samples=samples)
+        return rollout(args.rollout_env, seeds, groups, c, tokenizer=tok, model=model, generator=gen,
+                       samples=samples)
 
     def one_at_a_time(gen, c):
         return [t for s, g, k in zip(seeds, groups, samples)
-                for t in rollout(args.rollout_env, [s], [g], c, tokenizer=tok, model=model, generator=gen, samples=[k])]
+                for t in rollout(args.rollout_env, [s], [g], c, tokenizer=tok, model=model, generator=gen,
+                                 samples=[k])]
 
     runs = {"one at a time": (one_at_a_time, False), "batched, re-prefill": (batched, False),
             "batched, KV kept": (batched, True)}
+    if not single:
+        del runs["one at a time"]
     rates = {name: [] for name in runs}
     peaks = {name: [] for name in runs}
     ratios = {"KV kept / one at a time": [], "KV kept / re-prefill": []}
+    if not single:
+        del ratios["KV kept / one at a time"]
     detail = {}
     meter = PeakMemory(device)
     batched(torch.Generator(device).manual_seed(0), cfg)             # warm-up: kernels, caches (not timed)
@@ -283,8 +289,9 @@ def bench_rollout(args) -> dict:
             tokens = sum(t.response_tokens for tr in trajs for t in tr.turns)
             rates[name].append(tokens / dt)
             detail[name] = (tokens, dt, sum(len(tr.turns) for tr in trajs))
-        ratios["KV kept / one at a time"].append(rates["batched, KV kept"][-1] / rates["one at a time"][-1])
-        ratios["KV kept / re-prefill"].append(rates["batched, KV kept"][-1] / rates["batched, re-prefill"][-1])
+        for name in ratios:
+            base = "one at a time" if name.endswith("one at a time") else "batched, re-prefill"
+            ratios[name].append(rates["batched, KV kept"][-1] / rates[base][-1])
 
     def same(a, b) -> int:
         return sum(x.segments[0].input_ids == y.segments[0].input_ids and x.segments[0].loss_mask ==
@@ -295,26 +302,26 @@ def bench_rollout(args) -> dict:
     t = {kv: batched(torch.Generator(device).manual_seed(0), dataclasses.replace(cfg, kv_cache=kv))
          for kv in (False, True)}
     med = {k: statistics.median(v) for k, v in {**rates, **ratios}.items()}
-    print(f"[rollout] model {args.model} ({path}), env {args.rollout_env}, {P} prompts x {N} rollouts, "
-          f"temperature {cfg.temperature}, {device.type}, threads={torch.get_num_threads()}, repeats={args.repeats}; "
+    print(f"[rollout] model {label}, env {args.rollout_env}, {P} prompts x {N} rollouts, temperature "
+          f"{cfg.temperature}, {device.type}, threads={torch.get_num_threads()}, repeats={args.repeats}; "
           f"peak memory: {meter.method}")
     for name in runs:
         tokens, dt, turns = detail[name]
         all_r = ", ".join(f"{r:.0f}" for r in rates[name])
-        print(f"[rollout] {name:20s} {med[name]:7.0f} generated tokens/s (median; all: {all_r}); last run {tokens} "
-              f"tokens in {turns} turns, {dt:.1f} s; peak {statistics.median(peaks[name]) / 2 ** 20:.0f} MiB")
+        print(f"[rollout] {name:20s} {med[name]:7.0f} generated tokens/s (median; all: {all_r}); last run "
+              f"{tokens} tokens in {turns} turns, {dt:.1f} s; peak {statistics.median(peaks[name]) / 2 ** 20:.0f} MiB")
     for name, v in ratios.items():
         print(f"[rollout] {name} (same run): {med[name]:.2f}x (median; all: {', '.join(f'{r:.2f}' for r in v)})")
     n = len(seeds)
-    print(f"[rollout] same trajectories (ids, masks, rewards), greedy: one at a time = re-prefill "
-          f"{same(g['one at a time'], g['batched, re-prefill'])}/{n}, re-prefill = KV kept "
-          f"{same(g['batched, re-prefill'], g['batched, KV kept'])}/{n}; temperature {cfg.temperature}: "
-          f"re-prefill = KV kept {same(t[False], t[True])}/{n}")
-    return {"tokens_per_s_single": med["one at a time"], "tokens_per_s_reprefill": med["batched, re-prefill"],
-            "tokens_per_s_kv": med["batched, KV kept"], "ratio_single": med["KV kept / one at a time"],
+    pairs = list(zip(list(g)[:-1], list(g)[1:]))
+    same_greedy = {f"{a} = {b}": same(g[a], g[b]) for a, b in pairs}
+    print(f"[rollout] same trajectories (ids, masks, rewards), greedy: "
+          + ", ".join(f"{k} {v}/{n}" for k, v in same_greedy.items())
+          + f"; temperature {cfg.temperature}: re-prefill = KV kept {same(t[False], t[True])}/{n}")
+    return {"tokens_per_s_single": med.get("one at a time"), "tokens_per_s_reprefill": med["batched, re-prefill"],
+            "tokens_per_s_kv": med["batched, KV kept"], "ratio_single": med.get("KV kept / one at a time"),
             "ratio_reprefill": med["KV kept / re-prefill"], "same_sampled": same(t[False], t[True]),
-            "same_greedy": min(same(g["one at a time"], g["batched, re-prefill"]),
-                               same(g["batched, re-prefill"], g["batched, KV kept"])), "episodes": n}
+            "same_greedy": min(same_greedy.values()), "episodes": n}
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -488,69 +495,86 @@ def _decode_ms(folder, args, graphs: bool) -> dict:
 
 
 def _iteration(folder, args, algo: str, cap: float | None, extra: list[str], tmp) -> dict:
-    """One training iteration at the paper's budgets through train.py itself (critic included for PPO), every
-    reply at --gpu-reply tokens (random weights never close their answer): seconds per phase, peak memory."""
+    """--gpu-iterations training iterations at the paper's budgets (critic included for PPO), the last one with
+    a real eval of --gpu-eval-prompts prompts, run as `python train.py` in a process of its own: its own CUDA
+    allocator (a cap starts from an empty cache, not one the previous configuration filled), and an exit or a
+    crash stays inside this configuration. Every reply runs to --gpu-reply tokens (random weights never close
+    their answer). Times are the last iteration's, without its eval; peaks are the allocator's over the run."""
     import json
-    from pathlib import Path
-
-    import train
-    device = torch.device(args.device)
-    meter = PeakMemory(device)
-    meter.start()
+    import os
+    import subprocess
     run = Path(tmp) / f"run-{algo}-{cap}-{len(extra)}"
-    out = train.main(["--env", "sokoban", "--algo", algo, "--model", str(folder), "--prompts", str(args.gpu_prompts),
-                      "--rollouts", str(args.gpu_rollouts), "--max-turns", "5", "--max-new-tokens", str(args.gpu_reply),
-                      "--filter", str(args.gpu_filter), "--steps", str(args.gpu_iterations), "--eval-every", "0",
-                      "--eval-prompts", "1", "--save-every", "0", "--device", args.device, "--threads",
-                      str(args.threads), "--out", str(run), *(["--memory-cap", str(cap)] if cap else []), *extra])
-    peak = meter.stop()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    last = rows[-1]  # the first iteration also pays for kernels' first calls
+    cmd = [sys.executable, str(ROOT / "train.py"), "--env", "sokoban", "--algo", algo, "--model", str(folder),
+           "--prompts", str(args.gpu_prompts), "--rollouts", str(args.gpu_rollouts), "--max-turns", "5",
+           "--max-new-tokens", str(args.gpu_reply), "--filter", str(args.gpu_filter),
+           "--steps", str(args.gpu_iterations), "--eval-every", "0", "--eval-prompts", str(args.gpu_eval_prompts),
+           "--save-every", "0", "--device", args.device, "--threads", str(args.threads), "--out", str(run),
+           *(["--memory-cap", f"{cap:g}"] if cap else []), *extra]
+    log = Path(tmp) / f"{run.name}.log"
+    with open(log, "w") as f:  # a file, not a pipe: nothing to drain while waiting
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+        _, status, usage = os.wait4(proc.pid, 0)  # this child's own peak RSS, not every child's
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        tail = [line for line in log.read_text().splitlines() if line.strip()][-1:] or ["(no output)"]
+        raise RuntimeError(f"train.py exited {proc.returncode}: {tail[0][:300]}")
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = rows[-1]  # the first iteration also pays for kernels' first calls and AdamW's state
+    alloc, reserved = last.get("memory/peak_allocated_gib"), last.get("memory/peak_reserved_gib")
     return {"rollout_s": last["time/rollout"], "update_s": last.get("time/prep", 0) + last.get("time/update", 0),
-            "iteration_s": last["time/iteration"] - last.get("time/eval", 0), "peak_gib": peak / 2 ** 30,
-            "fits_24gb": peak < 24 * 2 ** 30, "response_length": last["rollout/response_length"],
-            "turns": last["rollout/turns"], "train_rows": last.get("train/rows"),
-            "iterations": len(rows)}
+            "iteration_s": last["time/iteration"] - last.get("time/eval", 0), "eval_s": last.get("time/eval"),
+            "peak_allocated_gib": alloc, "peak_reserved_gib": reserved, "peak_rss_gib": usage.ru_maxrss / 2 ** 20,
+            "under_cap": None if cap is None or reserved is None else reserved < cap,
+            "response_length": last["rollout/response_length"], "turns": last["rollout/turns"],
+            "train_rows": last.get("train/rows"), "iterations": len(rows),
+            "eval_success": last.get("eval/success"), "eval_prompts": args.gpu_eval_prompts}
 
 
 def bench_gpu(args) -> dict:
-    """The GPU check (README "One GPU"), one JSON line per configuration: the engine's decode step eager and as
-    CUDA graphs at P x N rows, one PPO iteration at the paper's budgets, the same under a 24 GiB cap, and with
-    --gpu-3b GRPO on Qwen2.5-3B shapes with LoRA under the cap. Random weights with the real shapes, no
-    download. On a CPU (small --layers) the CUDA-only configurations print why they are skipped."""
+    """The GPU check, one JSON line per configuration: the engine's decode step eager and as CUDA graphs at
+    P x N rows, PPO at the paper's budgets, the same under --gpu-cap with --grad-checkpoint, and with --gpu-3b
+    GRPO + LoRA on Qwen2.5-3B widths under the cap. Random weights with the real shapes, no download. A
+    configuration that fails (out of memory, an exit, an exception) leaves its error in its line and the next one
+    runs. On a CPU (--device cpu, small --layers) the CUDA-only configurations say why they are skipped."""
     import json
     import tempfile
     device = torch.device(args.device)
-    card = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    cuda = device.type == "cuda"
+    card = torch.cuda.get_device_name(device) if cuda else f"cpu ({torch.get_num_threads()} threads)"
     shapes = {k: getattr(args, k) for k in QWEN_05B}
     results = []
 
     def emit(name: str, shape: dict, fn):
         row = {"config": name, "device": card, "shapes": shape, "decode_ms_per_step": None, "rollout_s": None,
-               "update_s": None, "iteration_s": None, "peak_gib": None}
+               "update_s": None, "iteration_s": None, "peak_allocated_gib": None, "peak_reserved_gib": None}
         try:
             row.update(fn())
-        except torch.cuda.OutOfMemoryError as e:  # a measured answer too: it does not fit
-            row["error"] = f"out of memory: {str(e).splitlines()[0][:200]}"
+        except (Exception, SystemExit) as e:  # a measured answer too (it does not fit), or a defect to report
+            kind = "out of memory" if isinstance(e, torch.cuda.OutOfMemoryError) else type(e).__name__
+            row["error"] = f"{kind}: {(str(e).splitlines() or [''])[0][:300]}"
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
         print(json.dumps(row), flush=True)
         results.append(row)
 
-    cuda = device.type == "cuda"
     skip = {"skipped": "needs CUDA"}
     with tempfile.TemporaryDirectory() as tmp:
         folder, n = _random_model(args, shapes, tmp)
         shapes["parameters"] = n
         emit("engine, eager", shapes, lambda: _decode_ms(folder, args, graphs=False))
         emit("engine, CUDA graphs", shapes, lambda: _decode_ms(folder, args, graphs=True) if cuda else skip)
-        emit("PPO iteration, paper budgets", shapes, lambda: _iteration(folder, args, "ppo", None, [], tmp))
-        emit("PPO iteration, 24 GiB cap, --grad-checkpoint", shapes,
-             lambda: _iteration(folder, args, "ppo", 24, ["--grad-checkpoint"], tmp) if cuda else skip)
-        if args.gpu_3b:
-            big = dict(QWEN_3B)
-            folder3, big["parameters"] = _random_model(args, big, tmp)
-            emit("GRPO iteration, 3B shapes, LoRA 64, 24 GiB cap", big,
-                 lambda: _iteration(folder3, args, "grpo", 24 if cuda else None,
-                                    ["--lora-rank", "64", "--grad-checkpoint"], tmp))
+        emit("PPO, paper budgets", shapes, lambda: _iteration(folder, args, "ppo", None, [], tmp))
+        emit(f"PPO, {args.gpu_cap:g} GiB cap, --grad-checkpoint", shapes,
+             lambda: _iteration(folder, args, "ppo", args.gpu_cap, ["--grad-checkpoint"], tmp) if cuda else skip)
+        if args.gpu_3b:  # --layers other than 24 (a quick check) applies here too
+            big = dict(QWEN_3B, layers=QWEN_3B["layers"] if args.layers == QWEN_05B["layers"] else args.layers)
+
+            def three_b():
+                folder3, big["parameters"] = _random_model(args, big, tmp)
+                return _iteration(folder3, args, "grpo", args.gpu_cap if cuda else None,
+                                  ["--lora-rank", "64", "--grad-checkpoint"], tmp)
+            emit(f"GRPO, 3B shapes, LoRA 64, {args.gpu_cap:g} GiB cap", big, three_b)
     return {"configs": results}
 
 
@@ -566,7 +590,7 @@ SECTIONS = {
 def main(argv=None):
     parser = cli.Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sections", nargs="*", help=f"sections to run, any of {list(SECTIONS)}; default: all")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda where there is one)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1, see docstring)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats per path (median reported)")
     parser.add_argument("--fused-seqs", type=int, default=1, help="sequences (reference shape: 4)")
@@ -580,6 +604,8 @@ def main(argv=None):
     parser.add_argument("--rollout-env", default="sokoban")
     parser.add_argument("--rollout-prompts", type=int, default=8, help="P prompts (paper: 8)")
     parser.add_argument("--rollout-n", type=int, default=16, help="N rollouts per prompt (paper: 16)")
+    parser.add_argument("--rollout-deep", type=int, default=0,
+                        help="rollout: also a random copy of the tiny prior with this many layers (0: off; try 24)")
     parser.add_argument("--rollout-temperature", type=cli.finite_float, default=1.0, help="training temperature 1.0")
     parser.add_argument("--prefix-rows", type=int, default=32, help="SFT rows per batch (the tiny default 32)")
     parser.add_argument("--prior-episodes", type=int, default=64, help="episodes per env/mode/temperature")
@@ -591,14 +617,18 @@ def main(argv=None):
     parser.add_argument("--gpu-rollouts", type=int, default=16, help="gpu: N rollouts per prompt (paper: 16)")
     parser.add_argument("--gpu-reply", type=int, default=400, help="gpu: tokens per reply (RAGEN: 400)")
     parser.add_argument("--gpu-filter", type=cli.finite_float, default=0.25, help="gpu: groups kept (StarPO-S: 0.25)")
-    parser.add_argument("--gpu-iterations", type=int, default=1, help="gpu: training iterations per configuration "
-                                                                   "(the last one is reported)")
+    parser.add_argument("--gpu-iterations", type=int, default=2,
+                        help="gpu: training iterations per configuration (the last one is reported, with an eval)")
+    parser.add_argument("--gpu-eval-prompts", type=int, default=256, help="gpu: eval prompts (paper: 256)")
+    parser.add_argument("--gpu-cap", type=cli.finite_float, default=22.5,
+                        help="gpu: the memory cap in GiB (a 24 GB card leaves the allocator about 23.3)")
     parser.add_argument("--gpu-decode-steps", type=int, default=128, help="gpu: decode steps timed per repeat")
     parser.add_argument("--gpu-3b", action="store_true", help="gpu: also GRPO + LoRA 64 on Qwen2.5-3B shapes")
     args = parser.parse_args(argv)
     unknown = [s for s in args.sections if s not in SECTIONS]
     counts = ["threads", "repeats", "fused_seqs", "fused_seq_len", "fused_hidden", "fused_vocab", "rollout_prompts",
-              "prefix_rows", "prior_episodes", *QWEN_05B, "gpu_prompts", "gpu_reply", "gpu_iterations", "gpu_decode_steps"]
+              "prefix_rows", "prior_episodes", *QWEN_05B, "gpu_prompts", "gpu_reply", "gpu_iterations", "gpu_decode_steps",
+              "gpu_eval_prompts"]
     try:
         cli.check([(not unknown, f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")]
                   + [(getattr(args, k) >= 1, f"--{k.replace('_', '-')} {getattr(args, k)}: must be >= 1")
@@ -608,11 +638,19 @@ def main(argv=None):
                      (args.fused_chunk is None or args.fused_chunk >= 1,
                       f"--fused-chunk {args.fused_chunk}: must be >= 1"),
                      (args.rollout_temperature >= 0, f"--rollout-temperature {args.rollout_temperature}: must be >= 0"),
-                     (0 < args.gpu_filter <= 1, f"--gpu-filter {args.gpu_filter}: must be in (0, 1]")])
+                     (0 < args.gpu_filter <= 1, f"--gpu-filter {args.gpu_filter}: must be in (0, 1]"),
+                     (args.gpu_cap > 0, f"--gpu-cap {args.gpu_cap:g}: must be > 0 (GiB)")])
         temps = [cli.finite_float(t) for t in args.prior_temperatures.split(",")]
         cli.check([(all(t >= 0 for t in temps), f"--prior-temperatures {args.prior_temperatures}: must be >= 0")])
         from engine.models import pick_device
-        args.device = str(pick_device(args.device))
+        sections = args.sections or list(SECTIONS)
+        if args.device is None and not torch.cuda.is_available() and "gpu" in sections:
+            if args.sections:  # asked for by name: say at once why it cannot run here
+                cli.fail("gpu: no CUDA device here; it measures a GPU (to try it on a CPU with small "
+                         "shapes: python tools/bench.py gpu --device cpu --layers 2 --hidden 64 --vocab 2000)")
+            print("[gpu] skipped: no CUDA device here (python tools/bench.py gpu --device cpu ... tries it on a CPU)")
+            sections.remove("gpu")
+        args.device = str(pick_device(args.device or "auto"))
     except (ValueError, argparse.ArgumentTypeError) as e:
         cli.fail(f"--prior-temperatures {args.prior_temperatures}: {e}" if isinstance(e, argparse.ArgumentTypeError)
                  else str(e))
@@ -620,7 +658,7 @@ def main(argv=None):
     from engine.models import setup_device
     setup_device(torch.device(args.device), args.threads)
     results = {}
-    for name in args.sections or list(SECTIONS):
+    for name in sections:
         results[name] = SECTIONS[name](args)
     return results
 

@@ -4,9 +4,9 @@
 
 Reads each run folder's metrics.jsonl and config.json and draws the four signals the paper watches for the
 collapse (average reward, in-group reward std, grad norm, entropy) and eval success with its 95% interval;
-with `--collapse-every`, RAGEN-2's prompt-reasoning MI and prompt-retrieval accuracy (against chance). The raw
-trace faint, a running mean of 5 bold, an x where the Echo Trap monitor fired on that signal; runs are labelled
-by the settings that differ between them. RAGEN sends the same metrics to wandb.
+with `--collapse-every`, RAGEN-2's prompt-reasoning MI and prompt-retrieval accuracy (against chance). The
+raw trace faint, a running mean of 5 bold, an x where the Echo Trap monitor fired on that signal; runs are
+labelled by the settings that differ between them. RAGEN sends the same metrics to wandb.
 """
 from __future__ import annotations
 
@@ -16,16 +16,19 @@ from pathlib import Path
 
 import sys
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for python tools/plot.py
+# the repository root, for python tools/plot.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import cli  # noqa: E402
 
 PLOT_KEYS = [("rollout/reward_mean", "average reward", None), ("rollout/in_group_std", "in-group reward std",
                                                                   "std_collapse"),
              ("train/grad_norm", "grad norm", "grad_spike"), ("train/entropy", "entropy", "entropy_swing"),
              ("eval/success", "eval success (95% CI)", None)]
-MI_KEY = ("collapse/mi", "MI(prompt; reasoning)", "mi_collapse")  # drawn when a run has it (template collapse)
+# drawn when a run has it (template collapse)
+MI_KEY = ("collapse/mi", "MI(prompt; reasoning)", "mi_collapse")
 RETRIEVAL_KEY = ("collapse/retrieval_acc", "prompt retrieval (dashed: chance)", None)  # MI's readable twin
-PLOT_SAME = {"out", "resume", "overwrite", "plot", "plot_out", "groups", "groups_kept", "device", "threads"}  # never named in labels
+# never named in labels
+PLOT_SAME = {"out", "resume", "overwrite", "plot", "plot_out", "groups", "groups_kept", "device", "threads"}
 
 
 def read_runs(run_dirs: list[str]) -> dict[str, list[dict]]:
@@ -42,16 +45,29 @@ def read_runs(run_dirs: list[str]) -> dict[str, list[dict]]:
     return runs
 
 
+def run_labels(cfgs: dict) -> tuple[dict, list[str]]:
+    """-> (each run's folder name with the settings that differ between the runs, those settings). A setting
+    that a run's config lacks or leaves unset (None: an older run, or an opt-in left off) is not a difference:
+    labels name only what two runs set differently (docs/main_command.png once suggested that its seeds ran
+    different code)."""
+    keys = sorted({k for c in cfgs.values() for k in c} - PLOT_SAME)
+    differ = [k for k in keys if len({json.dumps(c[k]) for c in cfgs.values() if c.get(k) is not None}) > 1]
+    names = {run: Path(run).name + (" (" + ", ".join(f"{k} {c.get(k)}" for k in differ) + ")" if differ
+                                    else "") for run, c in cfgs.items()}
+    return names, differ
+
+
 def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
-    """The paper's four Echo Trap signals (section 4.1, Figure 4) and eval success of one or more runs, one PNG:
-    the raw per-iteration trace faint, its running mean bold, eval points with their 95% intervals, and a marker
-    where the Echo Trap monitor fired on that signal. Runs are labelled by the settings that differ between them."""
+    """The paper's four Echo Trap signals (section 4.1, Figure 4) and eval success of one or more runs, one
+    PNG: the raw per-iteration trace faint, its running mean bold, eval points with their 95% intervals, and a
+    marker where the Echo Trap monitor fired on that signal. Runs are labelled by the settings that differ
+    between them."""
     runs = read_runs(run_dirs)
     out_png = str(cli.writable_file(out_png or str(Path(run_dirs[0]) / "echo_trap.png"), "--out"))
-    cfgs = {run: cli.read_json(Path(run) / "config.json", run) if (Path(run) / "config.json").is_file() else {}
+    cfgs = {run: (cli.read_json(Path(run) / "config.json", run) if (Path(run) / "config.json").is_file()
+                  else {})
             for run in runs}
-    keys = sorted({k for c in cfgs.values() for k in c} - PLOT_SAME)
-    differ = [k for k in keys if len({json.dumps(c.get(k)) for c in cfgs.values()}) > 1]
+    names, differ = run_labels(cfgs)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -61,7 +77,7 @@ def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.6))
     for n, (run, rows) in enumerate(runs.items()):
         c, color = cfgs[run], f"C{n % 10}"
-        label = Path(run).name + (" (" + ", ".join(f"{k} {c.get(k)}" for k in differ) + ")" if differ else "")
+        label = names[run]
         for ax, (key, title, signal) in zip(axes, panels):
             have = [r for r in rows if r.get(key) is not None]
             ax.set_title(title, fontsize=10)
@@ -71,7 +87,8 @@ def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
                 continue
             xs, ys = [r["step"] for r in have], [r[key] for r in have]
             if key == "eval/success":
-                bars = [[r[key] - r["eval/success_lo"] for r in have], [r["eval/success_hi"] - r[key] for r in have]]
+                bars = [[r[key] - r["eval/success_lo"] for r in have],
+                        [r["eval/success_hi"] - r[key] for r in have]]
                 ax.errorbar(xs, ys, yerr=bars, color=color, marker="o", ms=4, capsize=4, lw=1.5, label=label)
                 continue
             if key == RETRIEVAL_KEY[0]:  # measured every K iterations: points, and the chance level 1/N-ish
@@ -79,7 +96,8 @@ def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
                 ax.plot(xs, [r["collapse/retrieval_chance"] for r in have], color=color, lw=1, ls="--")
                 continue
             ax.plot(xs, ys, color=color, lw=0.8, alpha=0.3, marker="." if key == MI_KEY[0] else None)
-            trend = [statistics.fmean(ys[max(0, i - 4):i + 1]) for i in range(len(ys))]  # the running mean of 5
+            # the running mean of 5
+            trend = [statistics.fmean(ys[max(0, i - 4):i + 1]) for i in range(len(ys))]
             ax.plot(xs, trend, color=color, lw=2, label=label)
             fired = [(r["step"], r[key]) for r in have if signal and r.get(f"echo/{signal}")]
             if fired:
@@ -89,8 +107,9 @@ def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
         ax.set_xlim(0, last + 1)
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8, frameon=False)
-    what = ", ".join(differ) if differ else ", ".join(f"{k} {next(iter(cfgs.values())).get(k)}" for k in
-                                                     ("env", "algo", "filter") if cfgs and next(iter(cfgs.values())))
+    what = ", ".join(differ) if differ else ", ".join(
+        f"{k} {next(iter(cfgs.values())).get(k)}" for k in ("env", "algo", "filter")
+        if cfgs and next(iter(cfgs.values())))
     fig.suptitle(f"Echo Trap signals{' by ' + what if differ else (' (' + what + ')' if what else '')}; "
                  f"bold: running mean of 5, x: monitor warning", fontsize=11)
     fig.tight_layout(rect=(0, 0.06 + 0.04 * ((len(labels) - 1) // 3), 1, 0.95))

@@ -4,13 +4,13 @@
     python eval.py --env bandit --policy prior-rebuilt
 
 The paper starts from Qwen2.5-0.5B-Instruct (section 3.2): a model that knows the answer format but not the
-tasks. The tiny prior plays that part on a CPU: a real Qwen2-architecture `transformers` model (~1M parameters)
-with a word-level tokenizer built from the environments' texts (each tag with its leading space one token),
-warmed up on random agents' conversations rendered as rollout.py renders them (both think modes, whole and
-windowed; the loss on the replies and, as a pre-trained LM has modelled text, on the boards and feedback). It
-is built once and shipped in `prior/` (~4 MB): a build is deterministic on one machine, but float rounding
-differs between CPUs (two machines' builds differed by 0.18 in Bandit success), so every machine starts from
-the same weights. `ensure_tiny` builds small variants for the tests and for new environments.
+tasks. The tiny prior plays that part on a CPU: a real Qwen2-architecture `transformers` model (~1M
+parameters) with a word-level tokenizer built from the environments' texts (each tag with its leading space
+one token), warmed up on random agents' conversations rendered as rollout.py renders them (both think modes,
+whole and windowed; the loss on the replies and, as a pre-trained LM has modelled text, on the boards and
+feedback). It is built once and shipped in `prior/` (~4 MB): a build is deterministic on one machine, but
+float rounding differs between CPUs (two machines' builds differed by 0.18 in Bandit success), so every
+machine starts from the same weights. `ensure_tiny` builds small variants for the tests and for new envs.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ import torch.nn as nn
 
 import sys
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for python tools/prior.py
+# the repository root, for python tools/prior.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import cli  # noqa: E402
 from engine.models import PRIOR_DIR  # noqa: E402
 from starpo import pad_segments  # noqa: E402
@@ -40,18 +41,21 @@ TINY_VERSION = 3  # part of ensure_tiny's cache key: bump after a change of the 
 TINY_MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0,
                   tie_word_embeddings=True)
-# 200 steps (a micro-batch of every env per step) at peak lr 6e-3, ~3 min on one thread: well-formed replies and
-# valid actions in ~100% of turns on every env. With 100 (the build before the prior was shipped) a build on one CPU
-# answered Bandit with a valid arm in 20% of turns. obs_weight: the loss on what it reads (deviation 3).
-TINY_WARMUP = dict(episodes_per_env=240, steps=200, batch=32, batch_tokens=6144, lr=6e-3, seed=0, obs_weight=1.0)
+# 200 steps (a micro-batch of every env per step) at peak lr 6e-3, ~3 min on one thread: well-formed replies
+# and valid actions in ~100% of turns on every env. With 100 (the build before the prior was shipped) a build
+# on one CPU answered Bandit with a valid arm in 20% of turns. obs_weight: the loss on what it reads (a prior
+# trained on the replies alone could not read a board's columns).
+TINY_WARMUP = dict(episodes_per_env=240, steps=200, batch=32, batch_tokens=6144, lr=6e-3, seed=0,
+                   obs_weight=1.0)
 SPECIAL = dict(pad="<|endoftext|>", bos="<|im_start|>", eos="<|im_end|>", unk="<unk>")
 TAGS = ["<think>", "</think>", "<answer>", "</answer>"]
-# Word-level pieces: a capitalised or lower-case word, one capital letter (grid symbols), one digit, the action
-# separator "||", any other single character, each optionally with its leading space; "\n" is kept (grid rows
-# must not merge). Tags, like words, carry their leading space (" </think>" is one token, see build_tokenizer).
+# Word-level pieces: a capitalised or lower-case word, one capital letter (grid symbols), one digit, the
+# action separator "||", any other single character, each optionally with its leading space; "\n" is kept
+# (grid rows must not merge). Tags, like words, carry their leading space (" </think>" is one token, see
+# build_tokenizer).
 PIECE = r" ?[A-Z][a-z]+| ?[a-z]+| ?[A-Z]| ?\d| ?\|\|| ?[^\sA-Za-z\d]|\n| "
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 
@@ -77,14 +81,14 @@ def tiny_corpus(envs: list[str], episodes: int, seed: int):
 def build_tokenizer(texts: list[str], size: int | None = None):
     """A word-level `transformers` tokenizer whose vocabulary is every piece of `texts`; decoding is exact.
     `size`: pad the vocabulary to this many entries with pieces no text splits into ("¤0", "¤1", ...), for a
-    model of a given vocabulary size (bench.py gpu)."""
+    model of a given vocabulary size (tools/bench.py gpu)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     spaced = [" " + t for t in TAGS]
     tags = re.compile("|".join(re.escape(t) for t in spaced + TAGS))
     pieces = {p for t in texts for part in tags.split(t) for p in re.findall(PIECE, part)} | {" ", "\n"}
-    # a symbol the legend shows spaced (" √ box on target") may appear in a grid only unspaced, in a state the
-    # random agent never reached (a box on target in sokoban-newvocab's "C"): keep both forms, never <unk>
+    # a symbol the legend shows spaced (" √ box on target") may appear in a grid only unspaced, in a state
+    # the random agent never reached (a box on target in sokoban-newvocab's "C"): keep both forms, never <unk>
     pieces = sorted(pieces | {p[1:] for p in pieces if len(p) == 2 and p[0] == " "})
     vocab = {tok: i for i, tok in enumerate([SPECIAL["unk"], SPECIAL["pad"], SPECIAL["bos"], SPECIAL["eos"]]
                                             + TAGS + spaced + pieces)}
@@ -97,11 +101,11 @@ def build_tokenizer(texts: list[str], size: int | None = None):
     tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token=SPECIAL["unk"], pad_token=SPECIAL["pad"],
                                   bos_token=SPECIAL["bos"], eos_token=SPECIAL["eos"],
                                   clean_up_tokenization_spaces=False)
-    # Already in the vocabulary; adding them makes them match whole before pre-tokenisation (longest first, so
-    # " </think>" wins over " " + "</think>"). With the space inside the tag, the token before every tag in a
-    # reply is a different one (" </think>" after the thought, " <answer>" after it, " </answer>" after the last
-    # action) rather than a shared " ": the format becomes a chain of bigrams that a tiny model learns in few
-    # steps (measured: see TINY_WARMUP).
+    # Already in the vocabulary; adding them makes them match whole before pre-tokenisation (longest first,
+    # so " </think>" wins over " " + "</think>"). With the space inside the tag, the token before every tag in
+    # a reply is a different one (" </think>" after the thought, " <answer>" after it, " </answer>" after the
+    # last action) rather than a shared " ": the format becomes a chain of bigrams that a tiny model learns in
+    # few steps (measured: see TINY_WARMUP).
     tok.add_tokens(TAGS + spaced)
     tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -137,13 +141,13 @@ def build(warmup: dict | None = None, model_cfg: dict | None = None, envs: list[
 def ensure_tiny(cache_dir: str, progress: bool = True, warmup: dict | None = None,
                 model_cfg: dict | None = None, envs: list[str] | None = None) -> str:
     """A tiny policy built with these settings in `cache_dir` (the tests' small builds, an added env's prior):
-    the folder's name is a hash of everything the build depends on, so a second call with the same settings is a
-    cache hit and a changed setting is a new build. -> its path."""
+    the folder's name is a hash of everything the build depends on, so a second call with the same settings is
+    a cache hit and a changed setting is a new build. -> its path."""
     warmup, model_cfg, envs = settings(warmup, model_cfg, envs)
     tok, data, tok_texts = corpus(warmup, envs)
     # the key: everything the build depends on (the corpus texts, hence the envs and the rollout's rendering;
-    # the vocabulary, hence the tokenizer code; config, warm-up settings; TINY_VERSION for the warm-up code; the
-    # transformers major version, whose 4.x cannot read the tokenizer folder 5.x writes)
+    # the vocabulary, hence the tokenizer code; config, warm-up settings; TINY_VERSION for the warm-up code;
+    # the transformers major version, whose 4.x cannot read the tokenizer folder 5.x writes)
     import transformers
     key = hashlib.sha256(json.dumps([TINY_VERSION, model_cfg, warmup, envs, sorted(set(tok_texts)),
                                      sorted(tok.get_vocab().items()), transformers.__version__.split(".")[0]],
@@ -205,7 +209,8 @@ def warm_up(tok, data, model_cfg: dict, warmup: dict, progress: bool):
         total = torch.zeros(())
         for ids, attn, mask in batches:
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()   # [B, T-1, V]
-            nll = nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # [B, T-1]
+            nll = nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:],
+                                              reduction="none")  # [B, T-1]
             obs = attn[:, 1:] * (1 - mask[:, 1:])                                                   # [B, T-1]
             loss = (nll * mask[:, 1:]).sum() / n_sampled + warmup["obs_weight"] * (nll * obs).sum() / n_obs
             loss.backward()
@@ -218,10 +223,11 @@ def warm_up(tok, data, model_cfg: dict, warmup: dict, progress: bool):
     model.eval()
     return model
 
-# ----------------------------------------------------------------------------- python prior.py
+# ----------------------------------------------------------------------------- python tools/prior.py
 
-PRIOR_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-               "chat_template.jinja", "special_tokens_map.json")  # what `save` writes: --overwrite replaces only these
+# what `save` writes: --overwrite replaces only these
+PRIOR_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+               "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 
 
 def save(model, tok, out: Path) -> None:
@@ -242,10 +248,10 @@ def save(model, tok, out: Path) -> None:
 
 
 def portable(folder: Path) -> None:
-    """Make a folder that transformers 5 wrote readable, with the same meaning, by transformers 4.46+ (the range
-    requirements.txt allows): 4.x reads `rope_theta` (5.x nests it in `rope_parameters`; without it 4.x would
-    silently use Qwen2's default 1e6), knows no `TokenizersBackend` class, and reads the chat template from
-    tokenizer_config.json. 5.x reads both spellings."""
+    """Make a folder that transformers 5 wrote readable, with the same meaning, by transformers 4.46+ (the
+    range requirements.txt allows): 4.x reads `rope_theta` (5.x nests it in `rope_parameters`; without it 4.x
+    would silently use Qwen2's default 1e6), knows no `TokenizersBackend` class, and reads the chat template
+    from tokenizer_config.json. 5.x reads both spellings."""
     cfg_file, tok_file = folder / "config.json", folder / "tokenizer_config.json"
     cfg = json.loads(cfg_file.read_text())
     if "rope_parameters" in cfg and "rope_theta" not in cfg:
@@ -260,8 +266,8 @@ def portable(folder: Path) -> None:
 
 
 def format_rates(path: str, prompts: int = 32) -> dict[str, float]:
-    """Fraction of well-formed replies of the prior in `path` on each env (32 eval prompts at temperature 0.5):
-    what a working prior must have, whatever CPU built it."""
+    """Fraction of well-formed replies of the prior in `path` on each env (32 eval prompts at temperature
+    0.5): what a working prior must have, whatever CPU built it."""
     from engine.models import load_policy
     from envs import EVAL_SEEDS
     from rollout import RolloutConfig, rollout
@@ -277,13 +283,16 @@ def format_rates(path: str, prompts: int = 32) -> dict[str, float]:
 
 @dataclass
 class Config:
-    out: str = cli.flag(str(PRIOR_DIR), "folder to write the prior into (never overwritten unless --overwrite)")
+    out: str = cli.flag(str(PRIOR_DIR),
+                        "folder to write the prior into (never overwritten unless --overwrite)")
     overwrite: bool = cli.flag(False, "replace the prior already in --out")
     steps: int = cli.flag(TINY_WARMUP["steps"], "warm-up steps", lo=1)
-    episodes_per_env: int = cli.flag(TINY_WARMUP["episodes_per_env"], "random-agent episodes per env in the corpus",
-                                     lo=2)
-    seed: int = cli.flag(TINY_WARMUP["seed"], "seed of the corpus and the initial weights", lo=0, hi=cli.SEED_MAX)
-    format_prompts: int = cli.flag(32, "eval prompts per env for the format rate printed at the end", lo=1, hi=256)
+    episodes_per_env: int = cli.flag(TINY_WARMUP["episodes_per_env"],
+                                     "random-agent episodes per env in the corpus", lo=2)
+    seed: int = cli.flag(TINY_WARMUP["seed"], "seed of the corpus and the initial weights", lo=0,
+                         hi=cli.SEED_MAX)
+    format_prompts: int = cli.flag(32, "eval prompts per env for the format rate printed at the end", lo=1,
+                                   hi=256)
 
 
 def main(argv=None):
