@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.rooms import DIRS, generate_lake, generate_sokoban_room, lake_next, lake_policy
+from engine.rooms import (DIRS, bool_option, float_option, generate_lake, generate_sokoban_room, int_option,
+                          lake_next, lake_policy, take_options)
 
 EVAL_SEEDS = list(range(123, 379))  # the paper's 256 fixed evaluation prompts (section 3.3)
 TRAIN_SEED_LOW, TRAIN_SEED_HIGH = 1000, 2**31  # far from EVAL_SEEDS
@@ -24,20 +25,6 @@ def train_seeds(rng_or_seed, n: int) -> list[int]:
         draw = rng.integers(TRAIN_SEED_LOW, TRAIN_SEED_HIGH, size=n - len(seeds))
         seeds.update(dict.fromkeys(draw.tolist()))
     return list(seeds)
-
-
-def _take_options(env_name: str, defaults: dict, overrides: dict) -> dict:
-    unknown = sorted(set(overrides) - set(defaults))
-    if unknown:
-        raise ValueError(f"{env_name}: unknown override(s) {unknown}; allowed: {sorted(defaults)}")
-    return {**defaults, **overrides}
-
-
-def _int_option(env_name: str, key: str, value, lo: int, hi: float = float("inf")) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
-        allowed = f"in [{lo}, {hi}]" if hi < float("inf") else f">= {lo}"
-        raise ValueError(f"{env_name}: {key} must be an int {allowed}, got {value!r}")
-    return int(value)
 
 
 class _TextEnv:
@@ -61,7 +48,7 @@ class _TextEnv:
             raise RuntimeError(f"{self.name}: the episode is over; call reset(seed) before {what}")
 
     def reset(self, seed: int, sample: int = 0) -> str:
-        seed, sample = _int_option(self.name, "seed", seed, 0), _int_option(self.name, "sample", sample, 0)
+        seed, sample = int_option(self.name, "seed", seed, 0), int_option(self.name, "sample", sample, 0)
         self._start(seed, np.random.default_rng([seed, sample]))
         self.done, self._ready = False, True
         return self._render()
@@ -89,7 +76,7 @@ class BanditEnv(_TextEnv):
     RISKY_PAYOFF, RISKY_PROB = 1.0, 0.25
 
     def __init__(self, **overrides):
-        opts = _take_options(self.name, self.DEFAULTS, overrides)
+        opts = take_options(self.name, self.DEFAULTS, overrides)
         for key in ("safe_name", "risky_name"):
             v = opts[key]
             if not (isinstance(v, str) and v.isascii() and v.isalpha() and len(v) <= 32):
@@ -191,10 +178,10 @@ class SokobanEnv(_TextEnv):
     SYMBOLS = SOKOBAN_SYMBOLS["classic"]
 
     def __init__(self, **overrides):
-        opts = _take_options(self.name, self.DEFAULTS, overrides)
-        self.size = _int_option(self.name, "size", opts["size"], 5, 8)  # the BFS stays fast
-        self.num_boxes = _int_option(self.name, "num_boxes", opts["num_boxes"], 1, 2)
-        self.search_depth = _int_option(self.name, "search_depth", opts["search_depth"], 2, 300)
+        opts = take_options(self.name, self.DEFAULTS, overrides)
+        self.size = int_option(self.name, "size", opts["size"], 5, 8)  # the BFS stays fast
+        self.num_boxes = int_option(self.name, "num_boxes", opts["num_boxes"], 1, 2)
+        self.search_depth = int_option(self.name, "search_depth", opts["search_depth"], 2, 300)
         legend = ", ".join(f"{s} {w}" for s, w in zip(self.SYMBOLS, _SOKOBAN_WORDS))
         self.instruction = ("You are solving the Sokoban puzzle. You are the player and you need to "
                             "push all boxes to targets. When you are right next to a box, you can push it by "
@@ -306,15 +293,10 @@ class FrozenLakeEnv(_TextEnv):
     DEFAULTS = {"size": 4, "p": 0.8, "slippery": True}
 
     def __init__(self, **overrides):
-        opts = _take_options(self.name, self.DEFAULTS, overrides)
-        self.size = _int_option(self.name, "size", opts["size"], 2, 8)
-        p = opts["p"]
-        if isinstance(p, bool) or not isinstance(p, (int, float, np.floating)) or not 0.5 <= p <= 1.0:
-            raise ValueError(f"{self.name}: p (probability a tile is frozen) must be in [0.5, 1], got {p!r}")
-        self.p = float(p)
-        if not isinstance(opts["slippery"], (bool, np.bool_)):
-            raise ValueError(f"{self.name}: slippery must be True or False, got {opts['slippery']!r}")
-        self.slippery = bool(opts["slippery"])
+        opts = take_options(self.name, self.DEFAULTS, overrides)
+        self.size = int_option(self.name, "size", opts["size"], 2, 8)
+        self.p = float_option(self.name, "p (probability a tile is frozen)", opts["p"], 0.5, 1.0)
+        self.slippery = bool_option(self.name, "slippery", opts["slippery"])
         slip = " The ice is slippery: you may move in an unintended direction." if self.slippery else ""
         symbols = "P player, _ frozen, O hole, G goal, X player in hole, √ player on goal"
         self.instruction = (f"You are solving the FrozenLake puzzle. Avoid the holes and go to the goal."

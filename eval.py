@@ -15,18 +15,18 @@ import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
 from engine import cli
-from engine.checkpoint import saved_settings
 from envs import ENVS, EVAL_SEEDS
-from engine.agents import expert_agent, random_agent
-from rollout import ROLLOUT_KEYS, RolloutConfig, Trajectory, default_reply_tokens, dump, rollout
+from engine.agents import SCRIPTED, expert_agent, random_agent
+from engine.report import dump, eval_line, table
+from engine.run import start_eval
+from rollout import RolloutConfig, Trajectory, rollout
 
-SCRIPTED = ("random", "expert")
 
 
 @dataclass
@@ -118,65 +118,10 @@ def eval_metrics(env: str, rcfg: RolloutConfig, model, tok, prompts: int, seed: 
     return {**{f"eval/{k}": v for k, v in m.items() if k != "episodes"}, "time/eval": time.time() - t0}
 
 
-def rollout_config_for(policy_path: str | None, cfg: Config, env: str) -> RolloutConfig:
-    """The rollout settings saved beside the policy, the flags typed here on top."""
-    from engine.models import model_kind
-    values = saved_settings(policy_path, ROLLOUT_KEYS, "--policy")
-    values.update({k: getattr(cfg, k) for k in ROLLOUT_KEYS if getattr(cfg, k, None) is not None})
-    values.setdefault("max_new_tokens", default_reply_tokens(model_kind(policy_path or "tiny"), env))
-    return RolloutConfig(temperature=cfg.temperature, **values)
-
-
-def table(rows: dict[str, dict]) -> str:
-    head = "| env | success (95% CI) | reward | actions | valid | effective | format | resp. tokens |"
-    out = [head, "|" + "---|" * 8]
-    for env, m in rows.items():
-        rl = "-" if m["response_length"] is None else f"{m['response_length']:.1f}"
-        out.append(f"| {env} | {m['success']:.3f} ({m['success_lo']:.3f}-{m['success_hi']:.3f}) | "
-                   f"{m['reward']:.3f} | {m['num_actions']:.2f} | {m['valid_action']:.3f} | "
-                   f"{m['effective_action']:.3f} | {m['format']:.3f} | {rl} |")
-    return "\n".join(out)
-
-
 def main(argv=None):
-    # ---- config, checked before any work
-    try:
+    try:  # every input checked before any work (engine/run.py)
         cfg, _ = cli.parse(Config, argv, description=__doc__.split("\n")[0])
-        envs = [cfg.env] if cfg.envs is None else [e.strip() for e in cfg.envs.split(",") if e.strip()]
-        unknown = [e for e in envs if e not in ENVS]
-        cli.check(cli.bounds(cfg) + [
-            (bool(envs), f"--envs {cfg.envs!r}: names no env; allowed: {', '.join(sorted(ENVS))}"),
-            (not unknown, f"--envs: unknown env {', '.join(map(repr, unknown))}; allowed: "
-                          f"{', '.join(sorted(ENVS))}"),
-            (cfg.seed + cfg.samples - 1 <= cli.SEED_MAX,
-             f"--samples {cfg.samples}: with --seed {cfg.seed} the last seed exceeds {cli.SEED_MAX}"),
-            (cfg.samples == 1 or cfg.policy != "expert",
-             f"--samples {cfg.samples}: the expert does not sample, every sample would be the first; use 1"),
-            (cfg.samples == 1 or cfg.temperature > 0 or cfg.policy in SCRIPTED,
-             f"--samples {cfg.samples}: --temperature 0 decodes greedily, every sample would repeat the "
-             f"first; use 1 or a temperature above 0"),
-            (not cfg.webshop_data or "webshop" in envs,
-             f"--webshop-data {cfg.webshop_data}: only for the webshop env (evaluating: {', '.join(envs)})"),
-        ])
-        if cfg.json:
-            cli.writable_file(cfg.json, "--json", new=True)
-        from engine.models import load_policy, pick_device, run_policy, setup_device
-        device = pick_device(cfg.device)
-        setup_device(device, cfg.threads)
-        model = tok = path = None
-        if cfg.policy not in SCRIPTED:
-            model, tok, path = load_policy(run_policy(cfg.policy, "--policy"), device, flag_name="--policy")
-        rcfgs = {env: rollout_config_for(path, cfg, env) for env in envs}
-        for rcfg in rcfgs.values():  # saved values meet the flags' bounds too
-            saved = {k: getattr(rcfg, k) for k in ROLLOUT_KEYS if hasattr(cfg, k)}
-            cli.check(cli.bounds(replace(cfg, **saved)))
-        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-        if positions is not None and rcfgs[envs[0]].max_new_tokens >= positions:
-            raise ValueError(f"--max-new-tokens {rcfgs[envs[0]].max_new_tokens}: the model reads at most "
-                             f"{positions} positions")
-        overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
-        if "webshop" in envs:
-            ENVS["webshop"](**overrides)  # a bad data folder fails now
+        envs, model, tok, rcfgs, overrides = start_eval(cfg)
     except ValueError as e:
         cli.fail(str(e))
 
@@ -197,10 +142,7 @@ def main(argv=None):
         m = summarize(trajs, scripted=cfg.policy in SCRIPTED)
         m["seconds"], m["success_per_sample"] = time.time() - t0, per_sample
         rows[env] = m
-        each = f" (per sample: {' '.join(f'{x:.3f}' for x in per_sample)})" if cfg.samples > 1 else ""
-        print(f"{env}: success {m['success']:.3f} [{m['success_lo']:.3f}, {m['success_hi']:.3f}]{each} "
-              f"actions {m['num_actions']:.2f} valid {m['valid_action']:.3f} effective "
-              f"{m['effective_action']:.3f} format {m['format']:.3f} ({m['seconds']:.0f}s)", file=sys.stderr)
+        print(eval_line(env, m, per_sample), file=sys.stderr)
         for t in trajs[:cfg.dump]:
             print(dump(t, tok), file=sys.stderr)
     print(f"policy: {cfg.policy}, {cfg.prompts} prompts x {cfg.samples} sample(s), temperature "

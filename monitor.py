@@ -21,37 +21,53 @@ class EchoMonitor:
     low_std_run: int = 0
     mi_history: list = field(default_factory=list)
     low_mi_run: int = 0
+    success_history: list = field(default_factory=list)
 
 
-def echo_check(mon: EchoMonitor, m: dict, baseline_iters: int = 5, std_ratio: float = 0.1, patience: int = 10,
-               grad_factor: float = 5.0, ent_swing: float = 0.5, window: int = 20) -> dict[str, str]:
-    """One iteration's metrics -> {signal: warning} for those that fired: std_collapse (std below std_ratio x
-    its early mean, `patience` iterations in a row), grad_spike, entropy_swing (vs their running medians)."""
+def _recent(xs: list, n: int) -> float:
+    return statistics.fmean(xs[-n:])
+
+
+def echo_check(mon: EchoMonitor, m: dict, baseline_iters: int = 5, smooth: int = 5, std_ratio: float = 0.25,
+               patience: int = 3, grad_factor: float = 7.0, ent_band: tuple = (0.1, 5.0),
+               window: int = 20) -> dict[str, str]:
+    """One iteration's metrics -> {signal: warning} for those that fired. Each signal is read as a running
+    mean of `smooth` iterations against its first `baseline_iters` (one iteration's entropy and std, on 2 kept
+    groups, are too noisy to read alone). std_collapse: the reward std below std_ratio x its early level
+    `patience` iterations in a row while training success is not above its early level (a std that vanishes
+    because every rollout succeeds is convergence, not the trap); grad_spike: one grad norm above
+    grad_factor x its running median; entropy_swing: the entropy outside ent_band x its early level.
+    Thresholds measured on healthy and collapsing Bandit runs (docs/results.md, "The Echo Trap monitor")."""
     warnings = {}
-    std = m.get("rollout/in_group_std")
+    std, success = m.get("rollout/in_group_std"), m.get("rollout/success")
     if std is not None:
         mon.std_history.append(std)
+        mon.success_history.append(success if success is not None else 0.0)
         if len(mon.std_history) > baseline_iters:
             base = statistics.fmean(mon.std_history[:baseline_iters])
-            mon.low_std_run = mon.low_std_run + 1 if std < std_ratio * base else 0
+            improving = _recent(mon.success_history, smooth) > statistics.fmean(
+                mon.success_history[:baseline_iters])
+            low = _recent(mon.std_history, smooth) < std_ratio * base and not improving
+            mon.low_std_run = mon.low_std_run + 1 if low else 0
             if mon.low_std_run >= patience:
-                warnings["std_collapse"] = (f"reward std {std:.4f} < {std_ratio}x its early level {base:.4f} "
-                                            f"for {mon.low_std_run} iterations")
+                warnings["std_collapse"] = (f"reward std {_recent(mon.std_history, smooth):.4f} (mean of "
+                                            f"{smooth}) < {std_ratio}x its early level {base:.4f} for "
+                                            f"{mon.low_std_run} iterations, success not rising")
     g = m.get("train/grad_norm")
     if g is not None and math.isfinite(g):
         past = mon.grad_history[-window:]
         if len(past) >= 5 and g > grad_factor * statistics.median(past):
-            warnings["grad_spike"] = (f"grad norm {g:.3g} > {grad_factor}x its running median "
+            warnings["grad_spike"] = (f"grad norm {g:.3g} > {grad_factor:g}x its running median "
                                       f"{statistics.median(past):.3g}")
         mon.grad_history.append(g)
     e = m.get("train/entropy")
     if e is not None and math.isfinite(e):
-        past = mon.ent_history[-window:]
-        med = statistics.median(past) if len(past) >= 5 else None
-        if med is not None and abs(e - med) > ent_swing * med:
-            warnings["entropy_swing"] = (f"entropy {e:.3g} swung by more than {ent_swing:.0%} from its "
-                                         f"running median {med:.3g}")
         mon.ent_history.append(e)
+        if len(mon.ent_history) > baseline_iters:
+            base, now = statistics.fmean(mon.ent_history[:baseline_iters]), _recent(mon.ent_history, smooth)
+            if not ent_band[0] * base <= now <= ent_band[1] * base:
+                warnings["entropy_swing"] = (f"entropy {now:.3g} (mean of {smooth}) left {ent_band[0]:g}-"
+                                             f"{ent_band[1]:g}x its early level {base:.3g}")
     mi = m.get("collapse/mi")
     if mi is not None and math.isfinite(mi):  # beyond the paper: --collapse-every
         from extras.collapse import mi_check

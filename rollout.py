@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.models import autocast_dtype
+from engine.models import autocast_dtype, turn_close
 from envs import make_env
 
 SYSTEM_PROMPT = "You're a helpful assistant."
@@ -177,17 +177,6 @@ def render_ids(tokenizer, messages: list[dict], cfg: RolloutConfig) -> list[int]
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def turn_close(tokenizer) -> str:
-    """The template's text that closes an assistant turn (Qwen: "<|im_end|>\n")."""
-    mark = "\x00REPLY\x00"
-    base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
-    open_ = tokenizer.apply_chat_template(base, tokenize=False, add_generation_prompt=True)
-    closed = tokenizer.apply_chat_template(base + [{"role": "assistant", "content": mark}], tokenize=False)
-    if not closed.startswith(open_) or mark not in closed:
-        raise ValueError("chat template does not render an assistant turn after its generation prompt")
-    return closed[closed.index(mark) + len(mark):]
-
-
 # ---- scripted agents
 
 def scripted_reply(actions: list[str], thought: str, cfg: RolloutConfig) -> str:  # without the pre-filled tag
@@ -333,20 +322,3 @@ def window_messages(header: str, user_msgs: list[str], replies: list[str], conte
         if t < len(replies):
             msgs.append({"role": "assistant", "content": replies[t]})
     return msgs
-
-
-def dump(traj: Trajectory, tokenizer=None) -> str:
-    """One trajectory as readable text."""
-    lines = [f"=== env={traj.env} seed={traj.seed} group={traj.group_id} reward={traj.reward:.2f} "
-             f"success={traj.success} actions={traj.num_actions} valid={traj.valid_actions} "
-             f"effective={traj.effective_actions}"]
-    for m in traj.messages:
-        lines.append(f"--- {m['role']}\n{m['content'].rstrip()}")
-    for k, t in enumerate(traj.turns, 1):
-        lines.append(f"[turn {k}] actions={t.actions} format_ok={t.format_ok} reward={t.reward:.2f}")
-    if tokenizer is not None and traj.segments:
-        s = traj.segments[-1]
-        trained = tokenizer.decode([i for i, m in zip(s.input_ids, s.loss_mask) if m],
-                                   skip_special_tokens=False)
-        lines.append(f"--- trained tokens of the last segment:\n{trained}")
-    return "\n".join(lines) + "\n"

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,14 +22,16 @@ import torch
 from engine import cli
 from engine.checkpoint import (open_run, read_checkpoint, read_metrics, restore_models, resume_config,
                                save_checkpoint, save_final)
-from engine.logprobs import shared_prefix_len, token_logprobs
-from engine.lora import add_lora, merge_lora
-from engine.models import autocast_dtype, load_model_and_env, model_kind, pick_device, setup_device
+from engine.logprobs import masked_logprobs, sorted_micro_batches
+from engine.lora import add_lora, merge_lora, trainable_state
+from engine.models import (autocast_dtype, load_model_and_env, model_kind, pick_device, setup_device,
+                           unknown_words)
 from envs import ENVS, train_seeds
 from eval import evaluate
 from engine.agents import expert_agent
-from rollout import RolloutConfig, Segment, default_reply_tokens, dump, prefill, rollout
-from starpo import make_optimizer, pad_segments
+from engine.report import dump, step_line
+from engine.run import make_optimizer
+from rollout import RolloutConfig, Segment, default_reply_tokens, prefill, rollout
 
 MODEL_DEFAULTS = {  # fields left at None: hub models the paper's (App. G), tiny what trains on a CPU
     "tiny": dict(train_trajectories=2800, epochs=3, lr=2e-3, adam_beta2=0.95, lora_rank=0, context_turns=1,
@@ -131,16 +132,6 @@ def short_examples(trajs, tok, rcfg) -> list:
     return out
 
 
-def unknown_words(tok, trajs) -> list[str]:
-    """Words of the expert's replies that the tokenizer maps to <unk>."""
-    if tok.unk_token_id is None:
-        return []
-    texts = {re.sub(r"</?\w+>", " ", m["content"]) for t in trajs for m in t.messages
-             if m["role"] == "assistant"}
-    words = {w for text in texts for w in re.findall(r"\w+", text)}
-    return sorted(w for w in words if tok.unk_token_id in tok(" " + w, add_special_tokens=False)["input_ids"])
-
-
 def batch_of(cfg: Config, it: int, short: list, train_segs: list, per_epoch: int) -> tuple[int, int, list]:
     """Step `it`'s (epoch, step in it, sequences): the curriculum (epoch -1), then a permutation per epoch,
     seeded so a resumed run draws the same."""
@@ -156,27 +147,11 @@ def batch_of(cfg: Config, it: int, short: list, train_segs: list, per_epoch: int
 
 # ---- the update
 
-def micro_batches(segs, micro: int):
-    """Length-sorted micro-batches (less padding; the summed gradient is the same)."""
-    segs = sorted(segs, key=lambda s: len(s.input_ids))
-    return [segs[i:i + micro] for i in range(0, len(segs), micro)]
-
-
-def masked_logprobs(policy, part, cfg: Config, pad_id: int, device, amp):
-    """A micro-batch -> log-probs, entropies, mask, [b, T] each (the LM head on the replies only)."""
-    ids, attn, mask_cpu = pad_segments(part, pad_id)
-    ids, attn, mask = ids.to(device), attn.to(device), mask_cpu.to(device)
-    pre = shared_prefix_len([s.input_ids for s in part])
-    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-        logp, ent = token_logprobs(policy, ids, attn, 1.0, cfg.fused, prefix_len=pre, positions=mask_cpu)
-    return logp, ent, mask
-
-
 def sft_step(policy, opt, segs, cfg: Config, pad_id: int, device, amp) -> dict:
     """One optimizer step on the token-mean cross-entropy over all micro-batches; one host sync."""
     n_tok = sum(sum(s.loss_mask) for s in segs)
     nll_sum, ent_sum = torch.zeros((), device=device), torch.zeros((), device=device)
-    for part in micro_batches(segs, cfg.micro_batch):
+    for part in sorted_micro_batches(segs, cfg.micro_batch):
         logp, ent, mask = masked_logprobs(policy, part, cfg, pad_id, device, amp)  # [b, T] each
         nll = -(logp.float() * mask).sum()
         (nll / n_tok).backward()
@@ -199,7 +174,7 @@ def test_loss(policy, segs, cfg: Config, pad_id: int, device, amp) -> float:
     was_training = policy.training
     policy.eval()
     total = torch.zeros((), device=device)
-    for part in micro_batches(segs, cfg.micro_batch):
+    for part in sorted_micro_batches(segs, cfg.micro_batch):
         logp, _, mask = masked_logprobs(policy, part, cfg, pad_id, device, amp)  # [b, T] each
         total += -(logp.float() * mask).sum()
     policy.train(was_training)
@@ -212,10 +187,6 @@ def lr_factor(step: int, steps: int) -> float:
     if step < warmup:
         return (step + 1) / warmup
     return 0.5 * (1 + math.cos(math.pi * (step + 1 - warmup) / (steps - warmup + 1)))
-
-
-def trainable_state(policy) -> dict[str, torch.Tensor]:  # put back with load_state_dict(..., strict=False)
-    return {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
 
 
 # ---- main
@@ -307,7 +278,7 @@ def main(argv=None):
                     "opt": opt.state_dict(), "sched": sched.state_dict(), "initial_loss": initial_loss,
                     "best": best}, config=asdict(cfg))
                 saved_at = it + 1
-            tqdm.write(line(m, cfg.steps))
+            tqdm.write(step_line(m, cfg.steps))
     except KeyboardInterrupt:
         bar.close()
         where = f"step {saved_at}" if saved_at else "none"
@@ -332,14 +303,6 @@ def main(argv=None):
           f"[{em['success_lo']:.3f}, {em['success_hi']:.3f}] on {em['episodes']} prompts; "
           f"total {result['time/total']:.0f}s\nfinal policy: {out / 'final'}")
     return out
-
-
-def line(m: dict, steps: int) -> str:
-    """The one printed line per optimizer step."""
-    keys = [("loss", "train/loss"), ("ent", "train/entropy"), ("gnorm", "train/grad_norm"),
-            ("lr", "train/lr"), ("test", "test/loss"), ("eval", "eval/success"), ("s", "time/iteration")]
-    return " | ".join([f"step {m['step']}/{steps} ep {m['epoch']}"] +
-                      [f"{n} {m[k]:.3g}" for n, k in keys if m.get(k) is not None])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """StarPO's update (paper section 2.2): the clipped policy loss, entropy bonus, KL to the initial policy,
 PPO's critic and value loss, and `update`, one pass of mini-batch steps. Per sampled token t, A_t from
 advantages.py:
-    ratio_t = exp(logp_t - old_logp_t)                                    (log-ratio clamped to +-20)
+    ratio_t = exp(logp_t - old_logp_t)        (the log-ratio clamped to +-20)
     pg_t    = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high))
     loss    = agg(pg) - entropy_coef * agg(entropy) + kl_coef * agg(kl(logp, ref_logp))
 StarPO-S (section 4.2): eps_low 0.2, eps_high 0.28 (Clip-Higher), kl_coef 0 (StarPO: 0.2, 0.2, 0.001).
@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from engine.distributed import micro_batches, no_sync
-from engine.logprobs import token_logprobs
+from engine.logprobs import add_drift, drift_metrics, token_logprobs
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 LOG_RATIO_CLAMP = 20.0
@@ -132,25 +132,6 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 # ---- the batch
 
-def pad_logps(segs, T: int) -> torch.Tensor:
-    """The sampler's log-probs [B, T], NaN elsewhere."""
-    return torch.tensor([s.logp + [math.nan] * (T - len(s.logp)) for s in segs])
-
-
-def pad_segments(segs, pad_id: int):
-    """Right-pad segments -> input_ids, attention_mask, loss_mask (float), [B, T] each."""
-    T = max(len(s.input_ids) for s in segs)
-    ids = torch.full((len(segs), T), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(segs), T), dtype=torch.long)
-    mask = torch.zeros((len(segs), T))
-    for i, s in enumerate(segs):
-        n = len(s.input_ids)
-        ids[i, :n] = torch.tensor(s.input_ids)
-        attn[i, :n] = 1
-        mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float)
-    return ids, attn, mask
-
-
 @dataclass
 class Batch:
     """One row per training sequence; every tensor [B, T], right-padded."""
@@ -202,13 +183,6 @@ class UpdateConfig:
                    clip_high=cfg.clip_high, agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef,
                    kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef, kl_kind=cfg.kl_kind,
                    temperature=cfg.temperature, dual_clip=cfg.dual_clip or None, fused=cfg.fused)
-
-
-def make_optimizer(module: nn.Module, lr: float, weight_decay: float = 0.01,
-                   betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
-    """AdamW over the trainable parameters (verl's weight decay 0.01)."""
-    return torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr,
-                             weight_decay=weight_decay, betas=betas)
 
 
 # ---- update
@@ -273,10 +247,7 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
                                                cfg.fused, cfg.chunk_size, prefix_len=mi.prefix_len)
                 old_logp = mi.old_logp if mi.old_logp is not None else logp.detach()  # ratio 1
                 if mi.rollout_logp is not None:  # the train-inference mismatch
-                    seen = torch.isfinite(mi.rollout_logp) & (mi.loss_mask > 0)
-                    d = torch.where(seen, (old_logp.float() - mi.rollout_logp).abs(), 0.0)
-                    drift = torch.stack([drift[0] + d.sum(), drift[1] + seen.sum(),
-                                         torch.maximum(drift[2], d.max())])
+                    drift = add_drift(drift, old_logp, mi.rollout_logp, mi.loss_mask)
                 pg, pm = policy_loss(logp, old_logp, mi.advantages, mi.loss_mask, cfg.clip_low, cfg.clip_high,
                                      cfg.agg, denom=denom, dual_clip=cfg.dual_clip)
                 loss = pg - cfg.entropy_coef * aggregate(ent, mi.loss_mask, cfg.agg, denom)
@@ -332,15 +303,11 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
         torch.distributed.all_reduce(stacked)
         per_step = torch.tensor([k in PER_STEP for k in keys], device=device)
         stacked = torch.where(per_step, stacked / world, stacked)
-        torch.distributed.all_reduce(drift[:2])
-        torch.distributed.all_reduce(drift[2:], op=torch.distributed.ReduceOp.MAX)
     host = dict(zip(keys, stacked.tolist()))  # one sync
-    d_sum, d_n, d_max = drift.tolist()
     n_steps = steps_taken if steps_taken else math.nan
     n_tokens = host["tokens"] if host["tokens"] > 0 else math.nan
     absent = (set() if has_ref else {"kl_to_init", "kl_loss"}) | \
         (set() if critic is not None else {"value_loss", "vf_clipfrac", "critic_grad_norm"})
-    drift = {"rollout/logp_diff_mean": d_sum / d_n, "rollout/logp_diff_max": d_max} if d_n else {}
     return {**{f"train/{k}": host[k] / (n_steps if k in PER_STEP else n_tokens) for k in keys[1:]
-               if k not in absent}, **drift,
+               if k not in absent}, **drift_metrics(drift, world),
             "train/skipped_nonfinite": float(skipped), "train/optimizer_steps": float(steps_taken)}

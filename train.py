@@ -24,16 +24,17 @@ from advantages import broadcast_to_tokens, gae, grpo_advantages, kl_penalized_r
 from advantages import place_reward_on_last_token as reward_on_last
 from engine import cli, distributed as dist
 from engine.checkpoint import resume_config, save_checkpoint
-from engine.logprobs import TokenLogprobs, shared_prefix_len, token_logprobs
+from engine.logprobs import TokenLogprobs, pad_logps, pad_segments, shared_prefix_len, token_logprobs
 from engine.lora import adapters_off
 from engine.models import autocast_dtype, memory_metrics, model_kind, visiting
+from engine.report import describe, iteration_line
 from engine.run import finish_run, inherit_rendering, start_run
 from envs import ENVS, train_seeds
 from eval import eval_metrics, summarize
 from filter import select_groups
 from monitor import watch
 from rollout import ROLLOUT_KEYS, RolloutConfig, Segment, default_reply_tokens, rollout, trained_mask
-from starpo import AGG_MODES, Batch, UpdateConfig, masked_mean, pad_logps, pad_segments, update
+from starpo import AGG_MODES, Batch, UpdateConfig, masked_mean, update
 
 ALGOS, NOISE = ["grpo", "ppo", "gigpo"], ["shared", "independent"]
 METRICS = ["reward_std", "reward_mean", "reward_sum"]
@@ -117,7 +118,7 @@ class Config:
     device: str = flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
     threads: int = flag(1, "CPU threads", lo=1)
     micro_batch: int | None = flag(None, "sequences per forward (default: tiny 16, hub models 4)", lo=1)
-    fused: bool = flag(True, "chunked log-probs, never [B, T, V] logits (engine/logprobs.py)")
+    fused: bool = flag(True, "chunked log-probs, never [B, T, V] logits")
     save_every: int = flag(10, "checkpoint every K iterations (0: only final/)", lo=0)
     dump_trajectories: int = flag(3, "trajectories written as text at each eval", lo=0)
     stop_on_collapse: bool = flag(False, "end the run when the Echo Trap monitor fires")
@@ -150,25 +151,6 @@ def derive(cfg: Config, explicit: set[str] = frozenset()) -> Config:
     cfg.out = cli.default_out(cfg, explicit - {"env", "algo", "seed"}, base, ("preset",)) if cfg.out is None \
         else cfg.out
     return cfg
-
-
-def describe(cfg: Config, device) -> str:
-    """The first printed line: the method (StarPO-S: the paper's three changes; StarPO: none)."""
-    extra, modified = "", False
-    if cli.opt_ins(cfg) or cfg.algo == "gigpo":
-        from extras.options import describe as beyond
-        extra, modified = beyond(cfg)
-    changes = (cfg.filter < 1, cfg.kl_coef == 0, cfg.clip_high > cfg.clip_low)
-    name = "StarPO-S" if all(changes) else "StarPO" if not any(changes) else "StarPO (modified)"
-    name += " (modified)" if modified and not name.endswith(")") else ""
-    kl = f"KL {cfg.kl_coef:g} (in the {'rewards' if cfg.kl_in_reward else 'loss'})" if cfg.kl_coef else \
-        "no KL"
-    kept = "all" if cfg.filter >= 1 else f"{'bottom' if cfg.filter_smallest else 'top'} {cfg.filter:.0%} of"
-    kept = kept if cfg.filter_strategy == "top_k" else f"{cfg.filter_strategy} {cfg.filter:g} of"
-    by = cfg.filter_metric.replace("_", " ")
-    return (f"{name}: {cfg.algo.upper()}, {kept} {cfg.groups} groups by {by}, "
-            f"{kl}, clip {cfg.clip_low:g}/{cfg.clip_high:g}{extra} | {cfg.env} | "
-            f"{'tiny policy' if cfg.model == 'tiny' else cfg.model} | {device}")
 
 
 def seed_of(cfg: Config, it: int, stream: int | None = None) -> int:
@@ -366,7 +348,7 @@ def main(argv=None):
                     save_checkpoint(out, it + 1, tok, {"policy": policy, "critic": critic},
                                     {**states, "monitor": asdict(monitor)}, config=asdict(cfg))
                     saved_at = it + 1
-                tqdm.write(line(m))
+                tqdm.write(iteration_line(m))
             if diverged:
                 raise FloatingPointError(diverged)
             if stop := dist.broadcast_object(stop):  # rank 0 decides
@@ -385,15 +367,6 @@ def main(argv=None):
     bar.close()
     del train_policy, train_critic  # they hold the process group, which finish_run() frees
     return finish_run(cfg, out, policy, tok, critic)
-
-
-def line(m: dict) -> str:
-    """The one printed line per iteration (docs/metrics.md)."""
-    keys = [("reward", "rollout/reward_mean"), ("succ", "rollout/success"), ("std", "rollout/in_group_std"),
-            ("kept_std", "rollout/chosen_in_group_std"), ("fmt", "rollout/format"), ("ent", "train/entropy"),
-            ("gnorm", "train/grad_norm"), ("kl0", "train/kl_to_init"), ("mi", "collapse/mi"),
-            ("clip", "train/pg_clipfrac"), ("eval", "eval/success"), ("s", "time/iteration")]
-    return " | ".join([f"it {m['step']}"] + [f"{n} {m[k]:.3g}" for n, k in keys if m.get(k) is not None])
 
 
 if __name__ == "__main__":

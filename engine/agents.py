@@ -12,6 +12,8 @@ import random
 
 from rollout import RolloutConfig, expert_thought
 
+SCRIPTED = ("random", "expert")  # the scripted policies eval.py's --policy names
+
 
 def available_actions(env) -> list[str]:
     fn = getattr(env, "available_actions", None)

@@ -7,11 +7,13 @@ entropy of that same distribution. The fused path computes the LM head chunk by 
 bf16 autocast; HF and verl use a bf16 head) and recomputes each chunk in backward; it assumes logits =
 lm_head(last hidden state) (Qwen2/Llama/Mistral; others: `fused=False`). A prompt header shared by every row
 (`shared_prefix_len`) runs once. Tested against the plain path (values and gradients); `TokenLogprobs` is the
-module DDP wraps under torchrun. Optional reading: speed and memory, not the method.
+module DDP wraps under torchrun. Also the right-padded [B, T] rows (`pad_segments`) and the drift between
+these log-probs and the sampler's (`add_drift`). Optional reading: speed and memory, not the method.
 """
 from __future__ import annotations
 
 import inspect
+import math
 
 import torch
 import torch.nn.functional as F
@@ -141,6 +143,25 @@ def fused_logprobs_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: tor
     return _FusedLogprobEntropy.apply(hidden, weight, bias, targets, float(temperature), int(chunk_size))
 
 
+def pad_logps(segs, T: int) -> torch.Tensor:
+    """The sampler's log-probs [B, T], NaN elsewhere."""
+    return torch.tensor([s.logp + [math.nan] * (T - len(s.logp)) for s in segs])
+
+
+def pad_segments(segs, pad_id: int):
+    """Right-pad segments (rollout.Segment) -> input_ids, attention_mask, loss_mask (float), [B, T] each."""
+    T = max(len(s.input_ids) for s in segs)
+    ids = torch.full((len(segs), T), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(segs), T), dtype=torch.long)
+    mask = torch.zeros((len(segs), T))
+    for i, s in enumerate(segs):
+        n = len(s.input_ids)
+        ids[i, :n] = torch.tensor(s.input_ids)
+        attn[i, :n] = 1
+        mask[i, :n] = torch.tensor(s.loss_mask, dtype=torch.float)
+    return ids, attn, mask
+
+
 def shared_prefix_len(rows: list[list[int]]) -> int:
     """Length of the token prefix that all `rows` share, capped so every row keeps >= 1 token after it.
 
@@ -221,6 +242,41 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     logp = F.pad(logp.view(B, T - 1), (1, 0))  # [B, T], column 0 = 0
     entropy = F.pad(entropy.view(B, T - 1), (1, 0))
     return logp, entropy
+
+
+def sorted_micro_batches(segs, micro: int):
+    """Segments in length-sorted micro-batches (less padding; a summed gradient is the same): SFT's."""
+    segs = sorted(segs, key=lambda s: len(s.input_ids))
+    return [segs[i:i + micro] for i in range(0, len(segs), micro)]
+
+
+def masked_logprobs(policy, part, cfg, pad_id: int, device, amp):
+    """A micro-batch of segments -> log-probs, entropies, mask, [b, T] each (the LM head on the trained
+    tokens only; `cfg.fused`: the fused path)."""
+    ids, attn, mask_cpu = pad_segments(part, pad_id)
+    ids, attn, mask = ids.to(device), attn.to(device), mask_cpu.to(device)
+    pre = shared_prefix_len([s.input_ids for s in part])
+    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+        logp, ent = token_logprobs(policy, ids, attn, 1.0, cfg.fused, prefix_len=pre, positions=mask_cpu)
+    return logp, ent, mask
+
+
+def add_drift(drift: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
+              mask: torch.Tensor) -> torch.Tensor:
+    """The train-inference mismatch: `drift` [sum, tokens, max] of |old_logp - the sampler's log-prob| over
+    the trained tokens whose sampled log-prob was recorded, with these [b, T] rows added; no host sync."""
+    seen = torch.isfinite(rollout_logp) & (mask > 0)
+    d = torch.where(seen, (old_logp.float() - rollout_logp).abs(), 0.0)
+    return torch.stack([drift[0] + d.sum(), drift[1] + seen.sum(), torch.maximum(drift[2], d.max())])
+
+
+def drift_metrics(drift: torch.Tensor, world: int = 1) -> dict:
+    """rollout/logp_diff_mean and _max from `drift` (over all ranks when `world` > 1); {} if none recorded."""
+    if world > 1:
+        torch.distributed.all_reduce(drift[:2])
+        torch.distributed.all_reduce(drift[2:], op=torch.distributed.ReduceOp.MAX)
+    d_sum, d_n, d_max = drift.tolist()
+    return {"rollout/logp_diff_mean": d_sum / d_n, "rollout/logp_diff_max": d_max} if d_n else {}
 
 
 class TokenLogprobs(torch.nn.Module):

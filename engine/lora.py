@@ -109,6 +109,12 @@ def adapter_state(model: nn.Module) -> dict:
     return {k: v.detach().cpu() for k, v in model.state_dict().items() if ".lora_" in k}
 
 
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Copies of the parameters that train (under LoRA the adapters): load_state_dict(..., strict=False) puts
+    them back (sft_baseline.py keeps the lowest-test-loss ones)."""
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
 def apply_levers(models, rank: int, alpha: float, grad_checkpoint: bool, seed: int) -> None:
     """train.py's memory levers on each model (the policy, the critic's backbone): LoRA adapters of `rank`
     (0 = train every weight) with their random init seeded by `seed`, so that a run and its resumed copy

@@ -6,7 +6,8 @@ like the paper's instruct model (Qwen2.5-0.5B-Instruct, section 3.2), knows the 
 (tools/prior.py built it). CUDA if present, else the CPU (`--device` overrides); fp32 master weights, bf16
 autocast on CUDA only, no cuDNN attention (`setup_device`); one CPU thread by default (on 2-core machines two
 made small-model updates erratic and up to 10x slower). A run folder given as a model means its policy:
-final/, or its latest checkpoint's. The critic's class is starpo.Critic.
+final/, or its latest checkpoint's. The critic's class is starpo.Critic. Tokenizer helpers: the text that
+closes a chat turn (`turn_close`, for rollout.py), the words a tokenizer maps to <unk> (`unknown_words`).
 """
 from __future__ import annotations
 
@@ -269,6 +270,28 @@ def tokenizer_class(path):
     if cfg.exists() and json.loads(cfg.read_text()).get("tokenizer_class") in GENERIC_TOKENIZERS:
         return PreTrainedTokenizerFast
     return AutoTokenizer
+
+
+def unknown_words(tok, trajs) -> list[str]:
+    """Words of the replies in `trajs` (rollout.Trajectory) that the tokenizer maps to <unk>."""
+    if tok.unk_token_id is None:
+        return []
+    texts = {re.sub(r"</?\w+>", " ", m["content"]) for t in trajs for m in t.messages
+             if m["role"] == "assistant"}
+    words = {w for text in texts for w in re.findall(r"\w+", text)}
+    return sorted(w for w in words if tok.unk_token_id in tok(" " + w, add_special_tokens=False)["input_ids"])
+
+
+def turn_close(tokenizer) -> str:
+    """The text a chat template writes after an assistant's reply to close its turn (Qwen: "<|im_end|>\n"):
+    rollout.py appends it, untrained, after each sampled reply."""
+    mark = "\x00REPLY\x00"
+    base = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    open_ = tokenizer.apply_chat_template(base, tokenize=False, add_generation_prompt=True)
+    closed = tokenizer.apply_chat_template(base + [{"role": "assistant", "content": mark}], tokenize=False)
+    if not closed.startswith(open_) or mark not in closed:
+        raise ValueError("chat template does not render an assistant turn after its generation prompt")
+    return closed[closed.index(mark) + len(mark):]
 
 
 def load_critic(path: str, device: torch.device | str = "cpu"):

@@ -1,5 +1,6 @@
-"""Room and map generators of the paper's environments (RAGEN's, after gym-sokoban and gymnasium), and
-FrozenLake's expert: envs.py's Sokoban and FrozenLake draw their initial states here. A reader may skip it.
+"""Room and map generators of the paper's environments (RAGEN's, after gym-sokoban and gymnasium),
+FrozenLake's expert, and the checks of the envs' options: envs.py's Sokoban and FrozenLake draw their initial
+states here. A reader may skip it.
 
 Sokoban (gym-sokoban's generate_room, as RAGEN calls it): a random-walk floor plan, targets and a player
 placed at random, then reverse play (the player walks and pulls the box behind it, a depth-limited DFS, each
@@ -180,3 +181,35 @@ def lake_policy(board: np.ndarray, slippery: bool) -> np.ndarray:
             break
         U = U_new
     return np.where(keep, 0.9 * (P @ U), -1.0).argmax(axis=1)
+
+
+# ---- the environments' options (envs.py)
+
+def take_options(env_name: str, defaults: dict, overrides: dict) -> dict:
+    """An env's options: its `defaults`, the `overrides` on top; a ValueError names an unknown key."""
+    unknown = sorted(set(overrides) - set(defaults))
+    if unknown:
+        raise ValueError(f"{env_name}: unknown override(s) {unknown}; allowed: {sorted(defaults)}")
+    return {**defaults, **overrides}
+
+
+def int_option(env_name: str, key: str, value, lo: int, hi: float = float("inf")) -> int:
+    """`value` as an int in [lo, hi], else a ValueError that names the env and the key."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not lo <= value <= hi:
+        allowed = f"in [{lo}, {hi}]" if hi < float("inf") else f">= {lo}"
+        raise ValueError(f"{env_name}: {key} must be an int {allowed}, got {value!r}")
+    return int(value)
+
+
+def float_option(env_name: str, key: str, value, lo: float, hi: float) -> float:
+    """`value` (an int or a float, not a bool) as a float in [lo, hi], else a ValueError."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) or not lo <= value <= hi:
+        raise ValueError(f"{env_name}: {key} must be in [{lo:g}, {hi:g}], got {value!r}")
+    return float(value)
+
+
+def bool_option(env_name: str, key: str, value) -> bool:
+    """`value` as a bool (True or False, numpy's too), else a ValueError."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{env_name}: {key} must be True or False, got {value!r}")
+    return bool(value)

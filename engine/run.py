@@ -1,7 +1,8 @@
 """Starting and finishing a training run (train.py), once its config is checked: the processes (one per
 GPU under torchrun), the device, the policy, its KL reference, the critic, the memory levers, the optimizers,
-a resumed run's state, the run folder; at the end final/. Plumbing around the paper's loop: a reader may skip
-it.
+a resumed run's state, the run folder; at the end final/. Also eval.py's start (its checks, the policy, the
+rollout settings saved beside it) and train.py's --model settings. Plumbing around the paper's loop: a
+reader may skip it.
 """
 from __future__ import annotations
 
@@ -10,13 +11,25 @@ import json
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from engine import distributed as dist
+import torch
+
+from engine import cli, distributed as dist
+from engine.agents import SCRIPTED
 from engine.checkpoint import (open_run, read_checkpoint, read_metrics, restore_models, save_final,
                                saved_settings)
 from engine.lora import apply_levers
-from engine.models import load_critic, load_model_and_env, pick_device, run_policy, setup_device
+from engine.models import (load_critic, load_model_and_env, load_policy, model_kind, pick_device,
+                           run_policy, setup_device)
+from envs import ENVS
 from monitor import EchoMonitor
-from starpo import make_optimizer
+from rollout import ROLLOUT_KEYS, RolloutConfig, default_reply_tokens
+
+
+def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float = 0.01,
+                   betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (verl's weight decay 0.01)."""
+    return torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr,
+                             weight_decay=weight_decay, betas=betas)
 
 
 def start_run(cfg, out: Path, describe):
@@ -72,6 +85,55 @@ def inherit_rendering(cfg, explicit: set[str], keys):
     if inherited and dist.is_main():
         print(f"rollout settings of {cfg.model}: {json.dumps(inherited)}")
     return replace(cfg, **inherited)
+
+
+def rollout_config_for(policy_path: str | None, cfg, env: str) -> RolloutConfig:
+    """eval.py's rollout settings for `env`: those saved beside the policy, the flags typed (`cfg`) on top."""
+    values = saved_settings(policy_path, ROLLOUT_KEYS, "--policy")
+    values.update({k: getattr(cfg, k) for k in ROLLOUT_KEYS if getattr(cfg, k, None) is not None})
+    values.setdefault("max_new_tokens", default_reply_tokens(model_kind(policy_path or "tiny"), env))
+    return RolloutConfig(temperature=cfg.temperature, **values)
+
+
+def start_eval(cfg):
+    """eval.py's inputs, every one checked before any work: the envs, the device, the policy (None for a
+    scripted one), the rollout settings per env (`rollout_config_for`), the env overrides.
+    -> (envs, model, tok, rollout settings per env, overrides). ValueError on any bad input."""
+    envs = [cfg.env] if cfg.envs is None else [e.strip() for e in cfg.envs.split(",") if e.strip()]
+    unknown = [e for e in envs if e not in ENVS]
+    cli.check(cli.bounds(cfg) + [
+        (bool(envs), f"--envs {cfg.envs!r}: names no env; allowed: {', '.join(sorted(ENVS))}"),
+        (not unknown, f"--envs: unknown env {', '.join(map(repr, unknown))}; allowed: "
+                      f"{', '.join(sorted(ENVS))}"),
+        (cfg.seed + cfg.samples - 1 <= cli.SEED_MAX,
+         f"--samples {cfg.samples}: with --seed {cfg.seed} the last seed exceeds {cli.SEED_MAX}"),
+        (cfg.samples == 1 or cfg.policy != "expert",
+         f"--samples {cfg.samples}: the expert does not sample, every sample would be the first; use 1"),
+        (cfg.samples == 1 or cfg.temperature > 0 or cfg.policy in SCRIPTED,
+         f"--samples {cfg.samples}: --temperature 0 decodes greedily, every sample would repeat the "
+         f"first; use 1 or a temperature above 0"),
+        (not cfg.webshop_data or "webshop" in envs,
+         f"--webshop-data {cfg.webshop_data}: only for the webshop env (evaluating: {', '.join(envs)})"),
+    ])
+    if cfg.json:
+        cli.writable_file(cfg.json, "--json", new=True)
+    device = pick_device(cfg.device)
+    setup_device(device, cfg.threads)
+    model = tok = path = None
+    if cfg.policy not in SCRIPTED:
+        model, tok, path = load_policy(run_policy(cfg.policy, "--policy"), device, flag_name="--policy")
+    rcfgs = {env: rollout_config_for(path, cfg, env) for env in envs}
+    for rcfg in rcfgs.values():  # saved values meet the flags' bounds too
+        saved = {k: getattr(rcfg, k) for k in ROLLOUT_KEYS if hasattr(cfg, k)}
+        cli.check(cli.bounds(replace(cfg, **saved)))
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if positions is not None and rcfgs[envs[0]].max_new_tokens >= positions:
+        raise ValueError(f"--max-new-tokens {rcfgs[envs[0]].max_new_tokens}: the model reads at most "
+                         f"{positions} positions")
+    overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
+    if "webshop" in envs:
+        ENVS["webshop"](**overrides)  # a bad data folder fails now
+    return envs, model, tok, rcfgs, overrides
 
 
 def finish_run(cfg, out: Path, policy, tok, critic) -> Path:

@@ -22,10 +22,10 @@ from dataclasses import replace
 import torch
 
 from engine import distributed as dist
-from engine.logprobs import shared_prefix_len
+from engine.logprobs import pad_segments, shared_prefix_len
 from envs import ENVS, SokobanEnv
 from rollout import RolloutConfig, Segment, expert_thought, rollout, trained_mask
-from starpo import Batch, UpdateConfig, pad_segments, update
+from starpo import Batch, UpdateConfig, update
 
 
 def supported(env: str) -> bool:

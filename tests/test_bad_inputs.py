@@ -121,6 +121,7 @@ CASES = [
     ("train", ["--resume", "RUN"], "state.pt", "state"),
     ("train", ["--resume", "RUN"], "metrics.jsonl", "metrics"),
     ("plot", ["TMP/none"], "no metrics.jsonl in it", None),
+    ("plot", ["TMP/emptyrun"], "holds no iteration yet", None),
     ("plot", ["RUN", "--out", "TMP/none/x.png"], "--out", "untouched"),
     ("train", ["--model", "TMP/broken-model", "--out", "TMP/r"], "broken-model/model.safetensors", None),
     ("eval", ["--policy", "/nonexistent/folder"], "--policy", None),
@@ -168,6 +169,8 @@ def test_bad_input_is_one_line_and_loses_nothing(script, args, needle, damage, b
     monkeypatch.chdir(tmp_path)  # a default run folder (runs/...) would land here, never in the repository
     (tmp_path / "afile").write_text("not a folder")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "emptyrun").mkdir()
+    (tmp_path / "emptyrun" / "metrics.jsonl").write_text("")  # a run before its first iteration
     broken = tmp_path / "broken-model"
     shutil.copytree(bandit_tiny, broken)
     weights = broken / "model.safetensors"

@@ -124,7 +124,8 @@ def check_update(results, name, ucfg_kw, with_critic):
     biases, whose exact gradient is 0: softmax ignores a shift shared by all keys) differ by up to a few 1e-4 of
     the step; its bound is looser."""
     from engine.logprobs import TokenLogprobs
-    from starpo import UpdateConfig, make_optimizer, update
+    from engine.run import make_optimizer
+    from starpo import UpdateConfig, update
     for opt_name, make_opt, rel_tol in (("sgd", lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 1e-5),
                                         ("adamw", lambda m: make_optimizer(m, 1e-3), 1e-2)):
         policy, critic = tiny_models(seed=0)

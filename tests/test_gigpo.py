@@ -121,7 +121,7 @@ def test_token_advantages_follow_the_recorded_turn_positions():
     a.segments = [Segment(list(range(9)), [0, 0, 0, 1, 1, 0, 0, 1, 1], reply_ends=[4, 8])]
     b.segments = [Segment(list(range(12)), [0, 0, 0, 1, 1, 0, 1, 1, 0, 0, 1, 1], reply_ends=[4, 7, 11])]
     rows = [(s, t) for t in (a, b) for s in t.segments]
-    from starpo import pad_segments
+    from engine.logprobs import pad_segments
     _, _, mask = pad_segments([s for s, _ in rows], 0)
     adv, m = gigpo_token_advantages([a, b], rows, mask, cfg)
     ep, st = gigpo_advantages(torch.tensor([a.reward, b.reward]), [0, 0], [["S", "X"], ["S", "Y", "Z"]],

@@ -16,7 +16,7 @@ from extras import hindsight as H  # noqa: E402
 from engine import models as policy  # noqa: E402
 import rollout as R  # noqa: E402
 from engine.agents import expert_agent, random_agent  # noqa: E402
-import starpo  # noqa: E402
+from engine.logprobs import pad_segments  # noqa: E402
 import envs  # noqa: E402
 from envs import make_env  # noqa: E402
 from test_envs import parse_sokoban  # noqa: E402
@@ -170,7 +170,7 @@ def test_imitate_takes_the_supervised_step(small):
     rows = [s for d in demos for s in d.segments]
     assert 0 < len(rows) <= 64
     ref = copy.deepcopy(model).float()
-    ids, attn, mask = starpo.pad_segments(rows, tok.pad_token_id)
+    ids, attn, mask = pad_segments(rows, tok.pad_token_id)
     logits = ref(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
     nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
     ((nll * mask[:, 1:]).sum() / mask[:, 1:].sum()).backward()

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 from engine import models as policy  # noqa: E402
 from tools import prior  # noqa: E402
 import rollout as R  # noqa: E402
-import starpo  # noqa: E402
+from engine.logprobs import pad_segments  # noqa: E402
 
 torch.set_num_threads(1)  # on 2-core machines, 2 threads made small-model forward+backward erratic and slower
 
@@ -159,7 +159,7 @@ def test_critic_shape_alignment_and_round_trip(small, small_path, tmp_path):
 
 def test_pad_segments():
     segs = [R.Segment([5, 6, 7], [0, 1, 1]), R.Segment([8], [0])]
-    ids, attn, mask = starpo.pad_segments(segs, pad_id=1)
+    ids, attn, mask = pad_segments(segs, pad_id=1)
     assert ids.tolist() == [[5, 6, 7], [8, 1, 1]]
     assert attn.tolist() == [[1, 1, 1], [1, 0, 0]]
     assert mask.tolist() == [[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]] and mask.dtype == torch.float32

@@ -20,7 +20,7 @@ from engine import models as policy  # noqa: E402
 from tools import prior  # noqa: E402
 import rollout as R  # noqa: E402
 from engine.agents import expert_agent, random_agent  # noqa: E402
-import starpo  # noqa: E402
+from engine.logprobs import pad_segments  # noqa: E402
 from conftest import MICRO  # noqa: E402
 
 torch.set_num_threads(1)
@@ -148,7 +148,7 @@ def test_warm_up_also_models_the_observations(tmp_path):
         segs = [s for t in R.rollout("sokoban", list(range(5000, 5008)), list(range(8)), R.RolloutConfig(),
                                      tokenizer=tok, agent=random_agent(random.Random(0)))
                 for s in t.segments]
-        ids, attn, mask = starpo.pad_segments(segs, tok.pad_token_id)
+        ids, attn, mask = pad_segments(segs, tok.pad_token_id)
         with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
         tok_nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")

@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rollout as R  # noqa: E402
 from engine.agents import expert_agent, random_agent  # noqa: E402
+from engine.report import dump  # noqa: E402
 from envs import ENVS, make_env  # noqa: E402
 
 torch.set_num_threads(1)  # on 2-core machines, 2 threads made small-model forward+backward erratic and slower
@@ -294,7 +295,7 @@ def test_expert_agent_and_scripted_reply():
 def test_dump_and_trajectory_fields(small):
     _, tok = small
     tr = sample(small, "sokoban", R.RolloutConfig(max_new_tokens=30), SEEDS[:2])[0]
-    text = R.dump(tr, tok)
+    text = dump(tr, tok)
     assert text.startswith(f"=== env=sokoban seed={SEEDS[0]} group=0")
     assert all(m["content"].rstrip() in text for m in tr.messages)
     assert text.count("[turn ") == len(tr.turns)

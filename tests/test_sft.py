@@ -310,7 +310,8 @@ def test_smoke_run_exports_the_lowest_test_loss_and_eval_loads_it(tiny_path, tmp
     model, tok, _ = policy.load_policy(str(final), "cpu")
     saved = json.loads((final / "train_config.json").read_text())
     cfg = sft.Config(**saved)
-    rcfg = eval_py.rollout_config_for(str(final), eval_py.Config(temperature=0.5), "sokoban")
+    from engine.run import rollout_config_for
+    rcfg = rollout_config_for(str(final), eval_py.Config(temperature=0.5), "sokoban")
     assert rcfg.context_turns == 1
     _, test_seeds = sft.data_seeds(cfg.seed, cfg.train_trajectories, cfg.test_trajectories)
     segs = [s for t in sft.expert_trajectories("sokoban", test_seeds, rcfg, tok, cfg.expert_actions)

@@ -172,11 +172,12 @@ def test_a_trained_model_folder_lends_its_rendering_unless_a_flag_is_typed(tmp_p
 
 
 def test_plot_writes_png(bandit_tiny, tmp_path):
-    for name, std in (("a", 0.5), ("b", 0.05)):
+    # run b: a perfect eval whose Wilson bound came out a rounding error below 1 (it crashed the plot once)
+    for name, std, ev in (("a", 0.5, (0.2, 0.1, 0.3)), ("b", 0.05, (1.0, 0.97, 1 - 1e-16))):
         d = tmp_path / name
         d.mkdir()
         rows = [{"step": i, "rollout/reward_mean": 0.1 * i, "rollout/in_group_std": std, "train/grad_norm": 1.0,
-                 "train/entropy": 2.0, **({"eval/success": 0.2, "eval/success_lo": 0.1, "eval/success_hi": 0.3}
+                 "train/entropy": 2.0, **(dict(zip(("eval/success", "eval/success_lo", "eval/success_hi"), ev))
                                           if i % 2 == 0 else {})} for i in range(1, 7)]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     png = tmp_path / "p.png"

@@ -332,8 +332,7 @@ def bench_prefix(args) -> dict:
     """Forward + backward of token_logprobs on one SFT batch with the shared prompt header run once vs per row."""
     from engine.agents import expert_agent
     from rollout import RolloutConfig, rollout
-    from engine.logprobs import shared_prefix_len, token_logprobs
-    from starpo import pad_segments
+    from engine.logprobs import pad_segments, shared_prefix_len, token_logprobs
     model, tok, path = _load(args)
     model.train()
     cfg = RolloutConfig(context_turns=1)  # sft_baseline.py's tiny default: one example per turn

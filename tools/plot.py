@@ -42,6 +42,9 @@ def read_runs(run_dirs: list[str]) -> dict[str, list[dict]]:
             runs[run] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
         except (ValueError, OSError) as e:
             raise ValueError(f"{run}: {path} is not a metrics file ({e})") from None
+        if not runs[run]:
+            raise ValueError(f"{run}: its metrics.jsonl holds no iteration yet (nothing to plot; the first "
+                             f"iteration writes one line)")
     return runs
 
 
@@ -87,8 +90,9 @@ def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
                 continue
             xs, ys = [r["step"] for r in have], [r[key] for r in have]
             if key == "eval/success":
-                bars = [[r[key] - r["eval/success_lo"] for r in have],
-                        [r["eval/success_hi"] - r[key] for r in have]]
+                # max(0, .): Wilson's bound at 100% success can come out a rounding error below 1
+                bars = [[max(0.0, r[key] - r["eval/success_lo"]) for r in have],
+                        [max(0.0, r["eval/success_hi"] - r[key]) for r in have]]
                 ax.errorbar(xs, ys, yerr=bars, color=color, marker="o", ms=4, capsize=4, lw=1.5, label=label)
                 continue
             if key == RETRIEVAL_KEY[0]:  # measured every K iterations: points, and the chance level 1/N-ish

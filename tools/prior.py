@@ -34,8 +34,8 @@ import sys
 # the repository root, for python tools/prior.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import cli  # noqa: E402
+from engine.logprobs import pad_segments  # noqa: E402
 from engine.models import PRIOR_DIR  # noqa: E402
-from starpo import pad_segments  # noqa: E402
 
 TINY_VERSION = 3  # part of ensure_tiny's cache key: bump after a change of the warm-up code itself
 TINY_MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
