@@ -22,11 +22,6 @@ ROLLOUT_KEYS = ("max_turns", "max_actions_per_turn", "max_actions", "format_pena
                 "context_turns", "max_new_tokens")
 
 
-def default_reply_tokens(model_kind: str, env: str) -> int:
-    """Tokens per reply: RAGEN's for hub models (400, on bandit 500), the tiny policy 100."""
-    return 100 if model_kind == "tiny" else 500 if env.startswith("bandit") else 400
-
-
 @dataclass
 class RolloutConfig:
     max_turns: int = 5

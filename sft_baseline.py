@@ -20,18 +20,16 @@ import numpy as np
 import torch
 
 from engine import cli
-from engine.checkpoint import (open_run, read_checkpoint, read_metrics, restore_models, resume_config,
-                               save_checkpoint, save_final)
+from engine.agents import expert_agent
+from engine.checkpoint import open_run, restore_models, resume_config, save_checkpoint, save_final
 from engine.logprobs import masked_logprobs, sorted_micro_batches
-from engine.lora import add_lora, merge_lora, trainable_state
-from engine.models import (autocast_dtype, load_model_and_env, model_kind, pick_device, setup_device,
-                           unknown_words)
+from engine.lora import merge_lora, trainable_state
+from engine.models import autocast_dtype, default_reply_tokens, model_kind, unknown_words
+from engine.report import dump, step_line
+from engine.run import start_sft
 from envs import ENVS, train_seeds
 from eval import evaluate
-from engine.agents import expert_agent
-from engine.report import dump, step_line
-from engine.run import make_optimizer
-from rollout import RolloutConfig, Segment, default_reply_tokens, prefill, rollout
+from rollout import RolloutConfig, Segment, prefill, rollout
 
 MODEL_DEFAULTS = {  # fields left at None: hub models the paper's (App. G), tiny what trains on a CPU
     "tiny": dict(train_trajectories=2800, epochs=3, lr=2e-3, adam_beta2=0.95, lora_rank=0, context_turns=1,
@@ -197,21 +195,12 @@ def main(argv=None):
         cfg, explicit = cli.parse(Config, argv, description=__doc__.split("\n")[0])
         cfg = resume_config(Config, cfg, explicit, RESUMABLE) if cfg.resume else derive(cfg)
         out = Path(cfg.out) if cfg.resume else cli.run_folder(cfg.out, "--out", cfg.overwrite, resumable=True)
-        found = read_checkpoint(out, "cpu") if cfg.resume else None
-        start, state, ck = found or (0, None, None)
-        kept_metrics = read_metrics(out / "metrics.jsonl", start) if found else []
-        # ---- 2. the model (+ LoRA) and its optimizer
-        t_start, device = time.time(), pick_device(cfg.device)
-        setup_device(device, cfg.threads)
-        policy, tok, path, env_kw = load_model_and_env(cfg, device)
+        # ---- 2. the model (+ LoRA) and its optimizer, a resumed run's checkpoint (engine/run.py)
+        t_start = time.time()
+        device, policy, tok, env_kw, opt, start, state, ck, kept_metrics = start_sft(cfg, out)
     except ValueError as e:
         cli.fail(str(e))
     amp = autocast_dtype(device)
-    if cfg.lora_rank > 0:
-        torch.manual_seed(cfg.seed)  # the adapters' init
-        print(f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} on "
-              f"{len(add_lora(policy, cfg.lora_rank, cfg.lora_alpha))} linear layers")
-    opt = make_optimizer(policy, cfg.lr, betas=(0.9, cfg.adam_beta2))
     rcfg = RolloutConfig.of(cfg, cfg.eval_temperature)
 
     # ---- 3. data: expert trajectories, train and test disjoint

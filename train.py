@@ -26,14 +26,14 @@ from engine import cli, distributed as dist
 from engine.checkpoint import resume_config, save_checkpoint
 from engine.logprobs import TokenLogprobs, pad_logps, pad_segments, shared_prefix_len, token_logprobs
 from engine.lora import adapters_off
-from engine.models import autocast_dtype, memory_metrics, model_kind, visiting
+from engine.models import autocast_dtype, default_reply_tokens, memory_metrics, model_kind, visiting
 from engine.report import describe, iteration_line
 from engine.run import finish_run, inherit_rendering, start_run
 from envs import ENVS, train_seeds
 from eval import eval_metrics, summarize
 from filter import select_groups
 from monitor import watch
-from rollout import ROLLOUT_KEYS, RolloutConfig, Segment, default_reply_tokens, rollout, trained_mask
+from rollout import ROLLOUT_KEYS, RolloutConfig, Segment, rollout, trained_mask
 from starpo import AGG_MODES, Batch, UpdateConfig, masked_mean, update
 
 ALGOS, NOISE = ["grpo", "ppo", "gigpo"], ["shared", "independent"]

@@ -119,6 +119,11 @@ def model_kind(name: str) -> str:
     return "hf"
 
 
+def default_reply_tokens(kind: str, env: str) -> int:
+    """Tokens per reply for a `model_kind`: RAGEN's for hub models (400, bandit 500), the tiny policy 100."""
+    return 100 if kind == "tiny" else 500 if env.startswith("bandit") else 400
+
+
 def run_policy(name: str, flag_name: str) -> str:
     """A run folder (config.json + metrics.jsonl) stands for its policy: final/, or while it has none its
     latest checkpoint's; any other name is returned as it is."""

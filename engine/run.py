@@ -1,8 +1,8 @@
 """Starting and finishing a training run (train.py), once its config is checked: the processes (one per
 GPU under torchrun), the device, the policy, its KL reference, the critic, the memory levers, the optimizers,
-a resumed run's state, the run folder; at the end final/. Also eval.py's start (its checks, the policy, the
-rollout settings saved beside it) and train.py's --model settings. Plumbing around the paper's loop: a
-reader may skip it.
+a resumed run's state, the run folder; at the end final/. Also sft_baseline.py's start, eval.py's (its
+checks, the policy, the rollout settings saved beside it) and train.py's --model settings. Plumbing around
+the paper's loop: a reader may skip it.
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from engine import cli, distributed as dist
 from engine.agents import SCRIPTED
 from engine.checkpoint import (open_run, read_checkpoint, read_metrics, restore_models, save_final,
                                saved_settings)
-from engine.lora import apply_levers
-from engine.models import (load_critic, load_model_and_env, load_policy, model_kind, pick_device,
-                           run_policy, setup_device)
+from engine.lora import add_lora, apply_levers
+from engine.models import (default_reply_tokens, load_critic, load_model_and_env, load_policy, model_kind,
+                           pick_device, run_policy, setup_device)
 from envs import ENVS
 from monitor import EchoMonitor
-from rollout import ROLLOUT_KEYS, RolloutConfig, default_reply_tokens
+from rollout import ROLLOUT_KEYS, RolloutConfig
 
 
 def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float = 0.01,
@@ -30,6 +30,23 @@ def make_optimizer(module: torch.nn.Module, lr: float, weight_decay: float = 0.0
     """AdamW over the trainable parameters (verl's weight decay 0.01)."""
     return torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=lr,
                              weight_decay=weight_decay, betas=betas)
+
+
+def start_sft(cfg, out: Path):
+    """sft_baseline.py's start -> (device, policy, tok, env overrides, optimizer, start step, a resumed
+    run's checkpoint state and path, its metrics kept). The adapters' init is seeded. ValueError on bad
+    input."""
+    start, state, ck = (read_checkpoint(out, "cpu") if cfg.resume else None) or (0, None, None)
+    kept = read_metrics(out / "metrics.jsonl", start) if ck else []
+    device = pick_device(cfg.device)
+    setup_device(device, cfg.threads)
+    policy, tok, _, env_kw = load_model_and_env(cfg, device)
+    if cfg.lora_rank > 0:
+        torch.manual_seed(cfg.seed)
+        print(f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} on "
+              f"{len(add_lora(policy, cfg.lora_rank, cfg.lora_alpha))} linear layers")
+    opt = make_optimizer(policy, cfg.lr, betas=(0.9, cfg.adam_beta2))
+    return device, policy, tok, env_kw, opt, start, state, ck, kept
 
 
 def start_run(cfg, out: Path, describe):

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval as eval_py  # noqa: E402
 from engine import lora  # noqa: E402
+from engine.run import make_optimizer  # noqa: E402
 from engine import models as policy  # noqa: E402
 from tools import prior  # noqa: E402
 import sft_baseline as sft  # noqa: E402
@@ -64,7 +65,7 @@ def test_only_lora_parameters_get_gradients():
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    opt = sft.make_optimizer(model, 1e-2)
+    opt = make_optimizer(model, 1e-2)
     assert sum(len(g["params"]) for g in opt.param_groups) == len(trainable)
     ids = torch.randint(0, 48, (2, 9), generator=torch.Generator().manual_seed(2))
     for _ in range(2):  # step 1 moves only B (A's gradient is 0 while B = 0), step 2 both
