@@ -1,12 +1,13 @@
-"""GiGPO, beyond the paper (`--algo gigpo`): verl-agent's Group-in-Group Policy Optimization (arXiv 2505.10978,
-gigpo/core_gigpo.py in langfengQ/verl-agent), step-level credit without a critic.
+"""GiGPO, beyond the paper (`--algo gigpo`): verl-agent's Group-in-Group Policy Optimization (arXiv
+2505.10978, gigpo/core_gigpo.py in langfengQ/verl-agent), step-level credit without a critic.
 
-A prompt group's rollouts start from one state and often meet the same states again later ("anchor states": the
-same Sokoban board, the same FrozenLake cell; here the exact observation text). The turns taken from one anchor
-state form a step group; their discounted returns from that turn, normalised within the step group, say which
-action was better there. A turn's tokens get the episode advantage (GRPO's, paper eq. 3) plus `w` times that
-step advantage (eq. 7-8). Sokoban and FrozenLake render states exactly, so matching is exact (verl-agent's
-`enable_similarity=False`). Read after advantages.py (grpo_advantages) and extras/turn_credit.py.
+A prompt group's rollouts start from one state and often meet the same states again later ("anchor states":
+the same Sokoban board, the same FrozenLake cell; here the exact observation text). The turns taken from one
+anchor state form a step group; their discounted returns from that turn, normalised within the step group, say
+which action was better there. A turn's tokens get the episode advantage (GRPO's, paper eq. 3) plus `w` times
+that step advantage (eq. 7-8). Sokoban and FrozenLake render states exactly, so matching is exact
+(verl-agent's `enable_similarity=False`). Read after advantages.py (grpo_advantages) and
+extras/turn_credit.py.
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ MODES = ("mean_norm", "mean_std_norm")
 
 
 def _step_normalise(returns: list[float], keys: list, mode: str, eps: float) -> list[float]:
-    """Each return minus its step group's mean (mean_std_norm: divided by its unbiased std + eps); a step group
-    of one gets 0, its own mean (verl-agent's step_norm_reward)."""
+    """Each return minus its step group's mean (mean_std_norm: divided by its unbiased std + eps); a step
+    group of one gets 0, its own mean (verl-agent's step_norm_reward)."""
     groups = defaultdict(list)
     for v, k in zip(returns, keys):
         groups[k].append(v)
@@ -40,12 +41,13 @@ def gigpo_advantages(episode_scores: torch.Tensor, group_ids, turn_states: list[
     """-> (episode_adv [B], step_adv: B lists, one float per turn, already times `step_weight`).
 
     Episode level (eq. 3): each trajectory's score against its prompt group, each trajectory counted once
-    (verl-agent's `compute_mean_std_cross_steps=False`; its default, True, counts a trajectory once per step, so
-    long episodes weigh more in the group's mean). Step level (eq. 6-7): step groups are (group id, identical
-    state text); turn t's return is sum_k gamma^k r_{t+k} over that trajectory's turn rewards; its advantage is
-    that return minus the step group's mean (`mean_std_norm`: divided by its unbiased std + eps; verl-agent's
-    `mode` applies to both levels, as here). A step group of one gets 0 (its own mean), as in verl-agent; a
-    prompt group of one gets 0 as in grpo_advantages (verl-agent: its raw score; train.py's N is >= 2).
+    (verl-agent's `compute_mean_std_cross_steps=False`; its default, True, counts a trajectory once per step,
+    so long episodes weigh more in the group's mean). Step level (eq. 6-7): step groups are (group id,
+    identical state text); turn t's return is sum_k gamma^k r_{t+k} over that trajectory's turn rewards; its
+    advantage is that return minus the step group's mean (`mean_std_norm`: divided by its unbiased std + eps;
+    verl-agent's `mode` applies to both levels, as here). A step group of one gets 0 (its own mean), as in
+    verl-agent; a prompt group of one gets 0 as in grpo_advantages (verl-agent: its raw score; train.py's N is
+    >= 2).
     """
     if mode not in MODES:
         raise ValueError(f"mode {mode!r}: allowed are {', '.join(MODES)}")
