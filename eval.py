@@ -1,8 +1,8 @@
 """Evaluation: the paper's protocol (section 3.3) on any policy, with scripted floors and ceilings.
 
-    python eval.py --env sokoban --policy runs/sokoban-grpo-s0          # a run's final policy
+    python eval.py --env sokoban --policy runs/sokoban-grpo-s0  # a run's final policy
     python eval.py --envs sokoban,sokoban-newvocab,sokoban-large --policy tiny --json out.json
-    python eval.py --env frozenlake --policy random     # the floor; --policy expert is the ceiling
+    python eval.py --env frozenlake --policy random  # the floor; --policy expert is the ceiling
 
 256 fixed prompts, one rollout each at temperature 0.5: success with its 95% Wilson interval, actions, valid
 and effective actions, format. A saved policy is evaluated with the rollout settings it was trained with.
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -22,11 +21,10 @@ import torch
 
 from engine import cli
 from envs import ENVS, EVAL_SEEDS
-from engine.agents import SCRIPTED, expert_agent, random_agent
+from engine.agents import SCRIPTED, scripted_agent
 from engine.report import dump, eval_line, table
 from engine.run import start_eval
 from rollout import RolloutConfig, Trajectory, rollout
-
 
 
 @dataclass
@@ -42,7 +40,7 @@ class Config:
     think: bool | None = cli.flag(None, "<think> before <answer> (default: as trained, else on)")
     context_turns: int | None = cli.flag(None, "history in turns, 0 = all (default: as trained)", lo=0)
     max_new_tokens: int | None = cli.flag(None, "tokens per reply (default: as trained, else tiny 100, hub "
-                                                "models 400, 500 on bandit)", lo=1)
+                                                "models 400/500)", lo=1)
     batch: int | None = cli.flag(None, "episodes decoded together (default: 256, 128 on CUDA)", lo=1)
     seed: int = cli.flag(0, "sampling seed", lo=0, hi=cli.SEED_MAX)
     samples: int = cli.flag(1, "rollouts per prompt, pooled (paper: 1)", lo=1)
@@ -130,11 +128,7 @@ def main(argv=None):
     for env in envs:
         rcfg, t0, trajs, per_sample = rcfgs[env], time.time(), [], []
         for seed in range(cfg.seed, cfg.seed + cfg.samples):  # one eval per sampling seed
-            agent = None
-            if cfg.policy == "random":
-                agent = random_agent(random.Random(seed))
-            elif cfg.policy == "expert":
-                agent = expert_agent(rcfg.max_actions_per_turn)
+            agent = scripted_agent(cfg.policy, seed, rcfg.max_actions_per_turn)  # None: the model
             m, part = evaluate(env, rcfg, model, tok, agent, cfg.prompts, seed, cfg.batch,
                                overrides if env == "webshop" else None)
             trajs += part

@@ -1,8 +1,8 @@
 """Supervised fine-tuning on expert trajectories (paper Appendix G): the baseline that shows what RL costs.
 
-    python sft_baseline.py --env sokoban                    # tiny policy, CPU: full fine-tuning, minutes
+    python sft_baseline.py --env sokoban  # tiny policy, CPU: full fine-tuning, minutes
     python eval.py --env sokoban --policy runs/sft-sokoban-s0
-    python sft_baseline.py --env sokoban --model Qwen/Qwen2.5-0.5B-Instruct    # the paper's, one GPU
+    python sft_baseline.py --env sokoban --model Qwen/Qwen2.5-0.5B-Instruct  # the paper's, one GPU
 
 The env's expert plays training seeds, rendered as rollouts (loss mask 1 on its replies) -> epochs of
 cross-entropy (paper: 1,000 trajectories, 5 epochs, batches of 128, LoRA 64/32; the tiny policy's recipe:
@@ -60,8 +60,7 @@ class Config:
     batch: int | None = flag(None, "sequences per optimizer step (default: tiny 16, hub 128)", lo=1)
     lr: float | None = flag(None, "peak learning rate (default: tiny 2e-3, hub 1e-4)", gt=0)
     adam_beta2: float | None = flag(None, "AdamW's beta2 (default: tiny 0.95, hub 0.999)", lo=0, lt=1)
-    short_steps: int | None = flag(None, "curriculum steps on single expert states first (default: tiny 300, "
-                                         "hub 0)", lo=0)
+    short_steps: int | None = flag(None, "first steps on single states (default: tiny 300, hub 0)", lo=0)
     short_batch: int = flag(32, "sequences per step of the short examples", lo=1)
     lora_rank: int | None = flag(None, "LoRA rank, 0 = full fine-tuning (default: tiny 0, hub 64)", lo=0)
     lora_alpha: float = flag(32.0, "LoRA alpha", gt=0)
@@ -97,7 +96,7 @@ def derive(cfg: Config) -> Config:
         (1 <= cfg.expert_actions <= cfg.max_actions_per_turn,
          f"--expert-actions {cfg.expert_actions}: must be in 1..{cfg.max_actions_per_turn} "
          f"(--max-actions-per-turn)"),
-        (not cfg.webshop_data or cfg.env == "webshop", f"--webshop-data: only for --env webshop")])
+        (not cfg.webshop_data or cfg.env == "webshop", "--webshop-data: only for --env webshop")])
     cfg.out = cfg.out if cfg.out is not None else f"runs/sft-{cfg.env}-s{cfg.seed}"
     return cfg
 
@@ -213,8 +212,8 @@ def main(argv=None):
     cfg.steps = cfg.short_steps + cfg.epochs * per_epoch
     print(f"expert data: {len(train_segs)} train, {len(test_segs)} test sequences (expert success "
           f"{sum(t.success for t in train_trajs) / len(train_trajs):.3f}); {len(short)} short examples")
-    if unknown_words(tok, trajs):
-        print(f"warning: no tokens for {unknown_words(tok, trajs)} in the expert's replies: trained as <unk>")
+    if unknown := unknown_words(tok, trajs):
+        print(f"warning: no tokens for {unknown} in the expert's replies: trained as <unk>")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.steps))
     metrics_path = open_run(out, asdict(cfg), start, kept_metrics, cfg.overwrite and not cfg.resume)
     print("config:", json.dumps(asdict(cfg)))

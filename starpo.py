@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from engine.distributed import micro_batches, no_sync
+from engine.distributed import all_ranks, check_shard, micro_batches, no_sync, sum_ranks
 from engine.logprobs import add_drift, drift_metrics, token_logprobs
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -204,10 +204,7 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
         raise ValueError("a critic needs a critic_optimizer, batch.returns and batch.old_values")
     check_dual_clip(cfg.dual_clip)
     rank, world = shard if shard is not None else (0, 1)
-    ddp = torch.nn.parallel.DistributedDataParallel
-    if world > 1 and (generator is None or not all(isinstance(m, ddp) for m in (policy, critic) if m)):
-        raise ValueError("with shard: the same `generator` on every rank, DDP(TokenLogprobs(model)) and "
-                         "DDP(critic) (without DDP the ranks' gradients are never averaged)")
+    check_shard(world, generator, policy, critic)
     device = next(policy.parameters()).device
     batch = batch.to(device)
     autocast = lambda: torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None)  # noqa
@@ -284,10 +281,7 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
             critic_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.max_grad_norm)
             finite &= torch.isfinite(critic_norm)
             step["critic_grad_norm"] = critic_norm.detach().float()
-        if world > 1:  # the same decision on every rank
-            finite = finite.float()
-            torch.distributed.all_reduce(finite, op=torch.distributed.ReduceOp.MIN)
-        if bool(finite):  # the one host sync per step
+        if bool(all_ranks(finite, world)):  # the one host sync per step; the same decision on every rank
             for o in optimizers:
                 o.step()
             for k in keys:
@@ -298,11 +292,7 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
         for o in optimizers:
             o.zero_grad(set_to_none=True)
 
-    stacked = torch.stack([totals[k] for k in keys])
-    if world > 1:  # per-step sums were each rank's share
-        torch.distributed.all_reduce(stacked)
-        per_step = torch.tensor([k in PER_STEP for k in keys], device=device)
-        stacked = torch.where(per_step, stacked / world, stacked)
+    stacked = sum_ranks(torch.stack([totals[k] for k in keys]), [k in PER_STEP for k in keys], world)
     host = dict(zip(keys, stacked.tolist()))  # one sync
     n_steps = steps_taken if steps_taken else math.nan
     n_tokens = host["tokens"] if host["tokens"] > 0 else math.nan

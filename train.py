@@ -1,8 +1,8 @@
 """StarPO / StarPO-S training (paper sections 2-4): multi-turn rollouts -> variance filter -> PPO/GRPO update.
 
-    python train.py --env sokoban --algo grpo --filter 0.25     # StarPO-S, the paper's recipe
-    python train.py --preset starpo --env bandit                # StarPO: no filter, KL 0.001, clip 0.2/0.2
-    python train.py --env sokoban --algo ppo --model Qwen/Qwen2.5-0.5B-Instruct   # the paper's run, one GPU
+    python train.py --env sokoban --algo grpo --filter 0.25  # StarPO-S, the paper's recipe
+    python train.py --preset starpo --env bandit  # StarPO: no filter, KL 0.001, clip 0.2/0.2
+    python train.py --env sokoban --algo ppo --model Qwen/Qwen2.5-0.5B-Instruct  # the paper's run, one GPU
 
 One iteration: P prompts x N rollouts -> keep the groups with the largest in-group reward std (section 4.2)
 -> advantages (GRPO: group-normalised; PPO: GAE with a critic) -> mini-batch updates -> the Echo Trap

@@ -15,6 +15,13 @@ from rollout import RolloutConfig, expert_thought
 SCRIPTED = ("random", "expert")  # the scripted policies eval.py's --policy names
 
 
+def scripted_agent(policy: str, seed: int, actions_per_turn: int):
+    """eval.py's --policy random (seeded) or expert; None for a model."""
+    if policy == "random":
+        return random_agent(random.Random(seed))
+    return expert_agent(actions_per_turn) if policy == "expert" else None
+
+
 def available_actions(env) -> list[str]:
     fn = getattr(env, "available_actions", None)
     return fn() if callable(fn) else list(env.actions)

@@ -168,3 +168,30 @@ def no_sync(*modules) -> contextlib.ExitStack:
         if hasattr(module, "no_sync"):
             stack.enter_context(module.no_sync())
     return stack
+
+
+def check_shard(world: int, generator, *modules) -> None:
+    """starpo.update's inputs under torchrun: one generator (the same mini-batches on every rank) and every
+    module wrapped in DDP (without DDP the ranks' gradients are never averaged)."""
+    ddp = torch.nn.parallel.DistributedDataParallel
+    if world > 1 and (generator is None or not all(isinstance(m, ddp) for m in modules if m)):
+        raise ValueError("with shard: the same `generator` on every rank, DDP(TokenLogprobs(model)) and "
+                         "DDP(critic) (without DDP the ranks' gradients are never averaged)")
+
+
+def all_ranks(ok: torch.Tensor, world: int) -> torch.Tensor:
+    """A boolean that holds on every rank (one all-reduce MIN), so that all ranks step or skip together."""
+    if world == 1:
+        return ok
+    ok = ok.float()
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return ok
+
+
+def sum_ranks(stacked: torch.Tensor, per_step: list[bool], world: int) -> torch.Tensor:
+    """Each rank's share of the metric sums -> their totals; the per-step entries (one value a step on every
+    rank, e.g. the grad norm) averaged instead."""
+    if world == 1:
+        return stacked
+    dist.all_reduce(stacked)
+    return torch.where(torch.tensor(per_step, device=stacked.device), stacked / world, stacked)
