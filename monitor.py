@@ -47,10 +47,10 @@ def echo_check(mon: EchoMonitor, m: dict, baseline_iters: int = 5, smooth: int =
             base = statistics.fmean(mon.std_history[:baseline_iters])
             improving = _recent(mon.success_history, smooth) > statistics.fmean(
                 mon.success_history[:baseline_iters])
-            low = _recent(mon.std_history, smooth) < std_ratio * base and not improving
-            mon.low_std_run = mon.low_std_run + 1 if low else 0
+            now = _recent(mon.std_history, smooth)
+            mon.low_std_run = mon.low_std_run + 1 if now < std_ratio * base and not improving else 0
             if mon.low_std_run >= patience:
-                warnings["std_collapse"] = (f"reward std {_recent(mon.std_history, smooth):.4f} (mean of "
+                warnings["std_collapse"] = (f"reward std {now:.4f} (mean of "
                                             f"{smooth}) < {std_ratio}x its early level {base:.4f} for "
                                             f"{mon.low_std_run} iterations, success not rising")
     g = m.get("train/grad_norm")
