@@ -79,8 +79,7 @@ def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
     panels = PLOT_KEYS[:-1] + [MI_KEY, RETRIEVAL_KEY] * measured + PLOT_KEYS[-1:]
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.6))
     for n, (run, rows) in enumerate(runs.items()):
-        c, color = cfgs[run], f"C{n % 10}"
-        label = names[run]
+        color, label = f"C{n % 10}", names[run]
         for ax, (key, title, signal) in zip(axes, panels):
             have = [r for r in rows if r.get(key) is not None]
             ax.set_title(title, fontsize=10)
