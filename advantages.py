@@ -2,14 +2,18 @@
 
 The objective is trajectory-level, J = E[R(tau)]: PPO and GRPO differ only in how a token's advantage is
 estimated (Appendix C.2: gamma = lambda = 1). A row of a [B, T] tensor is one trajectory, right-padded;
-`mask[:, t] == 1` exactly on the tokens the policy sampled. Next: starpo.py, where they meet the loss.
+`mask[:, t] == 1` exactly on the tokens the policy sampled. At the end, the estimators by name
+(`ESTIMATORS`, train.py's --algo): add one with `@register("name")`. Next: starpo.py, where they meet the loss.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 
 import torch
+
+from starpo import masked_mean
 
 
 def place_reward_on_last_token(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -94,3 +98,70 @@ def grpo_advantages(scores: torch.Tensor, group_ids: torch.Tensor | Sequence, ep
 def broadcast_to_tokens(adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """One advantage per row [B] on its sampled tokens -> [B, T]."""
     return adv.float().unsqueeze(1) * mask.float()
+
+
+# ---- the estimators by name: train.py's --algo NAME calls ESTIMATORS[NAME]
+
+ESTIMATORS: dict = {}  # name -> estimator; a str: the module that registers it, imported on first use
+
+
+def register(name: str | None, needs_critic: bool = False, signal_without_spread=False):
+    """A decorator: put an estimator into ESTIMATORS under `name` (None: only give it the attributes, for
+    an estimator an option plugs in itself). An estimator is one function,
+
+        fn(kept, rows, batch, cfg) -> (advantages [B, T], returns [B, T] or None, metrics dict)
+
+    kept: the trajectories the filter kept (rollout.Trajectory); rows: (segment, its trajectory) for each row
+    of `batch` (starpo.Batch, advantages still None: loss_mask, and old_values when it needs a critic); cfg:
+    train.py's Config. Its attributes: `needs_critic` (train.py builds and trains PPO's value model and fills
+    batch.old_values and returns), and `signal_without_spread`: whether a batch in which every group's
+    rollouts got one reward still teaches (False: train.py logs and skips the update), or a function
+    (kept, cfg) -> bool that decides it per batch."""
+    def add(fn):
+        fn.needs_critic = needs_critic
+        fn.signal_without_spread = signal_without_spread
+        if name is not None:
+            ESTIMATORS[name] = fn
+        return fn
+    return add
+
+
+def estimator(name: str):
+    """ESTIMATORS[name]; an option beyond the paper (its entry a module's name) is imported first."""
+    if isinstance(ESTIMATORS[name], str):
+        importlib.import_module(ESTIMATORS[name])  # registers itself, replacing the entry
+    return ESTIMATORS[name]
+
+
+def has_signal(fn, kept, cfg) -> bool:
+    """Whether estimator `fn` learns from a batch whose every group has zero reward std."""
+    if callable(fn.signal_without_spread):
+        return fn.signal_without_spread(kept, cfg)
+    return bool(fn.signal_without_spread)
+
+
+@register("grpo")
+def grpo(kept, rows, batch, cfg):
+    """GRPO (section 2.2): each trajectory's group-normalised reward on every token it sampled."""
+    rewards = torch.tensor([t.reward for t in kept])  # [K]
+    scores = grpo_advantages(rewards, [t.group_id for t in kept], norm_by_std=cfg.grpo_std_norm)  # [K]
+    segments = torch.tensor([len(t.segments) for t in kept])  # [K]: rows list each trajectory's in order
+    row_adv = scores.repeat_interleave(segments)  # [B]
+    return broadcast_to_tokens(row_adv.to(batch.loss_mask.device), batch.loss_mask), None, {}
+
+
+@register("ppo", needs_critic=True, signal_without_spread=True)  # the critic learns from any batch
+def ppo(kept, rows, batch, cfg):
+    """PPO (Appendix A): the trajectory's reward on each row's last sampled token, the KL there too when the
+    paper's StarPO puts it in the rewards, GAE with the critic's values, whitened over the batch (verl)."""
+    mask = batch.loss_mask
+    rewards = place_reward_on_last_token(torch.tensor([t.reward for _, t in rows]).to(mask.device), mask)
+    metrics = {}
+    if cfg.kl_in_reward:  # RAGEN's apply_kl_penalty
+        rewards = kl_penalized_rewards(rewards, batch.old_logp, batch.ref_logp, mask, cfg.kl_coef)
+        metrics["train/kl_in_reward"] = masked_mean(batch.old_logp - batch.ref_logp, mask).item()
+    advantages, returns = gae(rewards, batch.old_values, mask, cfg.gamma, cfg.lam)
+    return whiten(advantages, mask), returns, metrics
+
+
+ESTIMATORS["gigpo"] = "extras.gigpo"  # beyond the paper: verl-agent's GiGPO

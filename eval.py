@@ -10,21 +10,26 @@ and effective actions, format. A saved policy is evaluated with the rollout sett
 """
 from __future__ import annotations
 
+import copy
 import json
 import math
+import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 
 from engine import cli
-from envs import ENVS, EVAL_SEEDS
-from engine.agents import SCRIPTED, scripted_agent
+from engine.checkpoint import saved_settings
+from engine.models import default_reply_tokens, load_policy, model_kind, pick_device, run_policy
+from engine.models import setup_device
 from engine.report import dump, eval_line, table
-from engine.run import start_eval
-from rollout import RolloutConfig, Trajectory, rollout
+from envs import ENVS, EVAL_SEEDS
+from rollout import ROLLOUT_KEYS, RolloutConfig, Trajectory, expert_thought, rollout
+
+SCRIPTED = ("random", "expert")  # the scripted policies --policy names
 
 
 @dataclass
@@ -50,6 +55,60 @@ class Config:
     json: str | None = cli.flag(None, "write the numbers to this new JSON file")
     dump: int = cli.flag(0, "print this many trajectories as text", lo=0)
 
+
+# ---- scripted agents: the floor and the ceiling of every eval
+
+# An agent is `act(env, actions_left, cfg) -> (actions, thought)`; rollout.py renders it as a reply, as it
+# renders a policy's. A turn's actions are planned on a copy of the env, each valid where the previous ones
+# lead (WebShop's clicks change with the page), and the expert's plan meets the same slips.
+
+def available_actions(env) -> list[str]:
+    fn = getattr(env, "available_actions", None)
+    return fn() if callable(fn) else list(env.actions)
+
+
+def plan_on_copy(env, k: int, choose) -> list[str]:
+    """Up to k actions, each `choose(sim)` where the previous lead on a copy of the env, until it ends."""
+    sim, plan = copy.deepcopy(env), []
+    for _ in range(k):
+        plan.append(choose(sim))
+        _, _, done, _ = sim.step(plan[-1])
+        if done:
+            break
+    return plan
+
+
+def random_agent(rng: random.Random):
+    """1..min(max per turn, actions left) actions, each uniform among those valid where the previous ones
+    lead, and a truthful fixed thought: the floor of every eval."""
+    def act(env, actions_left: int, cfg: RolloutConfig) -> tuple[list[str], str]:
+        k = rng.randint(1, max(1, min(cfg.max_actions_per_turn, actions_left)))
+        plan = plan_on_copy(env, k, lambda sim: rng.choice(available_actions(sim)))
+        return plan, "I pick my moves at random."
+    return act
+
+
+def expert_agent(actions_per_turn: int = 1):
+    """The env's optimal policy (the SFT baseline's data, App. G), several actions a turn planned on a
+    copy of the env, its thought truthful."""
+    def act(env, actions_left: int, cfg: RolloutConfig) -> tuple[list[str], str]:
+        k = max(1, min(actions_per_turn, cfg.max_actions_per_turn, actions_left))
+        plan = plan_on_copy(env, k, lambda sim: sim.expert_action())
+        note = env.expert_note() if hasattr(env, "expert_note") else ""
+        return plan, expert_thought(note, plan)
+    return act
+
+
+def scripted_agent(policy: str, seed: int, actions_per_turn: int):
+    """--policy random (seeded) or expert; None for a model."""
+    if policy == "random":
+        return random_agent(random.Random(seed))
+    if policy == "expert":
+        return expert_agent(actions_per_turn)
+    return None
+
+
+# ---- the protocol
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """The 95% Wilson interval of k/n (sound at 0 and 1)."""
@@ -80,6 +139,17 @@ def summarize(trajs: list[Trajectory], scripted: bool = False) -> dict:
         "response_length": None if scripted else sum(x.response_tokens for x in turns) / max(1, len(turns)),
         "episodes": n,
     }
+
+
+def rollout_metrics(trajs: list[Trajectory]) -> dict:
+    """train.py's rollout/ metrics of an iteration's trajectories: `summarize`'s (the reward as its mean,
+    no interval) and the reward's std over all of them."""
+    m = {}
+    for k, v in summarize(trajs).items():
+        if k not in ("success_lo", "success_hi", "episodes"):
+            m["rollout/reward_mean" if k == "reward" else f"rollout/{k}"] = v
+    m["rollout/reward_std"] = torch.tensor([t.reward for t in trajs]).std().item()
+    return m
 
 
 def eval_batch(device) -> int:  # CUDA: the KV cache of 128 rows fits beside training
@@ -116,14 +186,68 @@ def eval_metrics(env: str, rcfg: RolloutConfig, model, tok, prompts: int, seed: 
     return {**{f"eval/{k}": v for k, v in m.items() if k != "episodes"}, "time/eval": time.time() - t0}
 
 
-def main(argv=None):
-    try:  # every input checked before any work (engine/run.py)
-        cfg, _ = cli.parse(Config, argv, description=__doc__.split("\n")[0])
-        envs, model, tok, rcfgs, overrides = start_eval(cfg)
-    except ValueError as e:
-        cli.fail(str(e))
+def rollout_config_for(policy_path: str | None, cfg: Config, env: str) -> RolloutConfig:
+    """The rollout settings for `env`: those saved beside the policy (train_config.json), the flags typed
+    (`cfg`) on top, the model's reply budget (engine/models.py) when neither gives one."""
+    values = saved_settings(policy_path, ROLLOUT_KEYS, "--policy")
+    for k in ROLLOUT_KEYS:
+        if getattr(cfg, k, None) is not None:
+            values[k] = getattr(cfg, k)
+    values.setdefault("max_new_tokens", default_reply_tokens(model_kind(policy_path or "tiny"), env))
+    return RolloutConfig(temperature=cfg.temperature, **values)
 
-    # ---- one eval per env
+
+def check_envs(cfg: Config) -> list[str]:
+    """--env or --envs -> the envs to evaluate, every rule of the flags checked."""
+    envs = [cfg.env]
+    if cfg.envs is not None:
+        envs = [e.strip() for e in cfg.envs.split(",")]
+    allowed = ", ".join(sorted(ENVS))
+    unknown = [e for e in envs if e not in ENVS]
+    cli.check(cli.bounds(cfg) + [
+        (any(envs), f"--envs {cfg.envs!r}: names no env; allowed: {allowed}"),
+        (all(envs), f"--envs {cfg.envs!r}: an empty name between commas; allowed: {allowed}"),
+        (not unknown, f"--envs: unknown env {', '.join(map(repr, unknown))}; allowed: {allowed}"),
+        (cfg.seed + cfg.samples - 1 <= cli.SEED_MAX,
+         f"--samples {cfg.samples}: with --seed {cfg.seed} the last seed exceeds {cli.SEED_MAX}"),
+        (cfg.samples == 1 or cfg.policy != "expert",
+         f"--samples {cfg.samples}: the expert does not sample, every sample would be the first; use 1"),
+        (cfg.samples == 1 or cfg.temperature > 0 or cfg.policy in SCRIPTED,
+         f"--samples {cfg.samples}: --temperature 0 decodes greedily, every sample would repeat the "
+         f"first; use 1 or a temperature above 0"),
+        (not cfg.webshop_data or "webshop" in envs,
+         f"--webshop-data {cfg.webshop_data}: only for the webshop env (evaluating: {', '.join(envs)})"),
+    ])
+    return envs
+
+
+def main(argv=None):
+    # ---- 1. the config: every input checked before any work
+    with cli.one_line_errors():
+        cfg, _ = cli.parse(Config, argv, description=__doc__.split("\n")[0])
+        envs = check_envs(cfg)
+        if cfg.json:
+            cli.writable_file(cfg.json, "--json", new=True)
+
+        # ---- 2. the setup: device, policy (none for a scripted agent), each env's rollout settings
+        device = pick_device(cfg.device)
+        setup_device(device, cfg.threads)
+        model = tok = path = None
+        if cfg.policy not in SCRIPTED:
+            model, tok, path = load_policy(run_policy(cfg.policy, "--policy"), device, "--policy")
+        rcfgs = {env: rollout_config_for(path, cfg, env) for env in envs}
+        for rcfg in rcfgs.values():  # saved values meet the flags' bounds too
+            saved = {k: getattr(rcfg, k) for k in ROLLOUT_KEYS if hasattr(cfg, k)}
+            cli.check(cli.bounds(replace(cfg, **saved)))
+        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if positions is not None and rcfgs[envs[0]].max_new_tokens >= positions:
+            raise ValueError(f"--max-new-tokens {rcfgs[envs[0]].max_new_tokens}: the model reads at most "
+                             f"{positions} positions")
+        overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
+        if "webshop" in envs:
+            ENVS["webshop"](**overrides)  # a bad data folder fails now
+
+    # ---- 3. one eval per env
     rows = {}
     for env in envs:
         rcfg, t0, trajs, per_sample = rcfgs[env], time.time(), [], []

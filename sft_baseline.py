@@ -10,6 +10,7 @@ docs/sft.md) -> the test loss each epoch, the lowest kept -> LoRA merged -> a fo
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -20,16 +21,17 @@ import numpy as np
 import torch
 
 from engine import cli
-from engine.agents import expert_agent
-from engine.checkpoint import open_run, restore_models, resume_config, save_checkpoint, save_final
-from engine.logprobs import masked_logprobs, sorted_micro_batches
-from engine.lora import merge_lora, trainable_state
-from engine.models import autocast_dtype, default_reply_tokens, model_kind, unknown_words
+from engine.checkpoint import open_run, read_metrics, restore_models, resume_config, resume_point
+from engine.checkpoint import save_checkpoint, save_final
+from engine.logprobs import pad_segments, shared_prefix_len, sorted_micro_batches
+from engine.lora import add_lora, merge_lora, trainable_state
+from engine.models import autocast_dtype, check_budgets, default_reply_tokens, load_policy, model_kind
+from engine.models import pick_device, setup_device, unknown_words
 from engine.report import dump, step_line
-from engine.run import start_sft
 from envs import ENVS, train_seeds
-from eval import evaluate
+from eval import evaluate, expert_agent
 from rollout import RolloutConfig, Segment, prefill, rollout
+from starpo import token_logprobs
 
 MODEL_DEFAULTS = {  # fields left at None: hub models the paper's (App. G), tiny what trains on a CPU
     "tiny": dict(train_trajectories=2800, epochs=3, lr=2e-3, adam_beta2=0.95, lora_rank=0, context_turns=1,
@@ -38,7 +40,6 @@ MODEL_DEFAULTS = {  # fields left at None: hub models the paper's (App. G), tiny
                batch=128, micro_batch=4, short_steps=0),
 }
 WARMUP_FRACTION = 0.05
-MAX_GRAD_NORM = 1.0
 flag = cli.flag
 
 
@@ -46,59 +47,94 @@ flag = cli.flag
 class Config:
     # ---- the paper's baseline (Appendix G)
     env: str = flag("sokoban", "environment", choices=ENVS)
-    train_trajectories: int | None = flag(None, "expert trajectories (default: tiny 2,800, hub 1,000)", lo=1)
+    train_trajectories: int | None = flag(None, "expert trajectories to train on (default: tiny 2,800, "
+                                          "hub models the paper's 1,000)", lo=1)
     test_trajectories: int = flag(100, "expert trajectories for the test loss (paper: 100)", lo=1)
-    expert_actions: int | None = flag(None, "expert moves per turn (default: max-actions / max-turns, up)")
+    expert_actions: int | None = flag(None, "expert moves per turn (default: ceil(max-actions / "
+                                      "max-turns))")
     max_turns: int = flag(5, "turns per episode", lo=1)
     max_actions_per_turn: int = flag(5, "actions per turn", lo=1)
     max_actions: int = flag(10, "actions per episode", lo=1)
-    max_new_tokens: int | None = flag(None, "tokens per reply at eval (default: tiny 100, hub 400/500)", lo=1)
+    max_new_tokens: int | None = flag(None, "token budget per reply at eval (default: tiny 100; hub "
+                                      "models RAGEN's 400, 500 on bandit)", lo=1)
     format_penalty: float = flag(-0.1, "reward of a turn without a valid answer (eval)")
-    think: bool = flag(True, "<think>...</think> before <answer>")
-    context_turns: int | None = flag(None, "history: 0 = all, K = last K (default: tiny 1, hub 0)", lo=0)
-    epochs: int | None = flag(None, "passes over the training data (default: tiny 3, hub 5)", lo=1)
-    batch: int | None = flag(None, "sequences per optimizer step (default: tiny 16, hub 128)", lo=1)
-    lr: float | None = flag(None, "peak learning rate (default: tiny 2e-3, hub 1e-4)", gt=0)
-    adam_beta2: float | None = flag(None, "AdamW's beta2 (default: tiny 0.95, hub 0.999)", lo=0, lt=1)
-    short_steps: int | None = flag(None, "first steps on single states (default: tiny 300, hub 0)", lo=0)
+    think: bool = flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
+    context_turns: int | None = flag(None, "history window: 0 = the whole conversation, K = the last K "
+                                     "turns (default: tiny 1, hub models 0)", lo=0)
+    epochs: int | None = flag(None, "passes over the training data (default: tiny 3, hub models 5)",
+                              lo=1)
+    batch: int | None = flag(None, "training sequences per optimizer step (default: tiny 16, hub "
+                             "models 128)", lo=1)
+    lr: float | None = flag(None, "peak learning rate (default: tiny 2e-3, hub models 1e-4)", gt=0)
+    adam_beta2: float | None = flag(None, "AdamW's beta2, the decay of its squared-gradient average "
+                                    "(default: tiny 0.95, hub models torch's 0.999)", lo=0, lt=1)
+    weight_decay: float = flag(0.01, "AdamW weight decay (verl's)", lo=0)
+    grad_clip: float = flag(1.0, "gradient norm clip", gt=0)
+    short_steps: int | None = flag(None, "a curriculum, short examples first: this many steps on the "
+                                   "expert's states shown alone, each answered by its reply, before the "
+                                   "epochs (default: tiny 300, hub models 0)", lo=0)
     short_batch: int = flag(32, "sequences per step of the short examples", lo=1)
-    lora_rank: int | None = flag(None, "LoRA rank, 0 = full fine-tuning (default: tiny 0, hub 64)", lo=0)
-    lora_alpha: float = flag(32.0, "LoRA alpha", gt=0)
-    eval_every: int = flag(0, "also evaluate every K epochs (0: only the kept policy)", lo=0)
+    lora_rank: int | None = flag(None, "LoRA rank r, 0 = full fine-tuning (default: tiny 0, hub models "
+                                 "64)", lo=0)
+    lora_alpha: float = flag(32.0, "LoRA alpha (the update is scaled by alpha / r)", gt=0)
+    eval_every: int = flag(0, "also evaluate every this many epochs (0: only the kept policy, at the "
+                           "end)", lo=0)
     eval_prompts: int = flag(256, "eval prompts, <= 256", lo=1, hi=256)
     eval_temperature: float = flag(0.5, "eval sampling temperature (paper: 0.5)", lo=0)
     # ---- the run, the model
-    seed: int = flag(0, "seed of everything", lo=0, hi=cli.SEED_MAX)
-    out: str | None = flag(None, "run folder (default: runs/sft-ENV-sSEED)")
-    resume: str | None = flag(None, "continue the run in this folder from its last checkpoint")
-    overwrite: bool = flag(False, "replace the run in --out (only the files a run writes)")
-    save_every: int = flag(100, "checkpoint every K optimizer steps (0: none)", lo=0)
+    seed: int = flag(0, "seed of everything (data seeds, batch order, eval sampling)", lo=0,
+                     hi=cli.SEED_MAX)
+    out: str | None = flag(None, "run folder (default: runs/sft-ENV-sSEED); never overwritten unless "
+                           "--overwrite")
+    resume: str | None = flag(None, "continue the run in this folder from its last checkpoint (only "
+                              "--device and --threads may change)")
+    overwrite: bool = flag(False, "replace the run already in --out (only the files a run writes)")
+    save_every: int = flag(100, "checkpoint every this many optimizer steps (0: none)", lo=0)
     dump_trajectories: int = flag(3, "trajectories written as text at each eval", lo=0)
-    model: str = flag("tiny", "tiny (the shipped prior), a hub id, a folder or a .gguf file")
+    model: str = flag("tiny", "tiny (the shipped prior, offline), a hub id such as "
+                      "Qwen/Qwen2.5-0.5B-Instruct, a folder or a .gguf file")
     device: str = flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
-    threads: int = flag(1, "CPU threads", lo=1)
-    micro_batch: int | None = flag(None, "sequences per forward (default: tiny 16, hub 4)", lo=1)
-    fused: bool = flag(True, "chunked log-probs, never [B, T, V] logits")
-    webshop_data: str | None = flag(None, "folder with the original WebShop files")
-    steps: int = field(default=0, metadata={"derived": True})  # optimizer steps
+    threads: int = flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)",
+                        lo=1)
+    micro_batch: int | None = flag(None, "training sequences per forward/backward, gradient "
+                                   "accumulation (default: tiny 16, hub models 4)", lo=1)
+    fused: bool = flag(True, "the chunked log-prob path that never builds [B, T, V] logits")
+    webshop_data: str | None = flag(None, "folder with the original WebShop files (default: the "
+                                    "shipped catalogue)")
+    # derived once the data is built: the optimizer steps
+    steps: int = field(default=0, metadata={"derived": True})
 
 
 RESUMABLE = {"device", "threads"}  # the flags a resumed run may change
 
 
 def derive(cfg: Config) -> Config:
-    """Per-model defaults, and one-line errors for bad values."""
+    """The per-model defaults, the run folder, one-line errors."""
     kind = model_kind(cfg.model)
-    cli.fill_defaults(cfg, {**MODEL_DEFAULTS[kind], "max_new_tokens": default_reply_tokens(kind, cfg.env)})
+    cli.fill_defaults(cfg, MODEL_DEFAULTS[kind])
+    cli.fill_defaults(cfg, {"max_new_tokens": default_reply_tokens(kind, cfg.env)})
     if cfg.expert_actions is None:  # the fewest moves per turn that use the whole budget
-        cfg.expert_actions = min(cfg.max_actions_per_turn, -(-cfg.max_actions // max(1, cfg.max_turns)))
+        turns = max(1, cfg.max_turns)
+        cfg.expert_actions = min(cfg.max_actions_per_turn, -(-cfg.max_actions // turns))
     cli.check(cli.bounds(cfg) + [
         (1 <= cfg.expert_actions <= cfg.max_actions_per_turn,
          f"--expert-actions {cfg.expert_actions}: must be in 1..{cfg.max_actions_per_turn} "
          f"(--max-actions-per-turn)"),
         (not cfg.webshop_data or cfg.env == "webshop", "--webshop-data: only for --env webshop")])
-    cfg.out = cfg.out if cfg.out is not None else f"runs/sft-{cfg.env}-s{cfg.seed}"
+    if cfg.out is None:
+        cfg.out = f"runs/sft-{cfg.env}-s{cfg.seed}"
     return cfg
+
+
+def configure(argv) -> tuple[Config, Path]:
+    """The flags -> (the checked Config, the run folder); a resumed run reads its own config. Nothing is
+    written here."""
+    cfg, explicit = cli.parse(Config, argv, description=__doc__.split("\n")[0])
+    if cfg.resume:
+        cfg = resume_config(Config, cfg, explicit, RESUMABLE)
+        return cfg, Path(cfg.out)
+    cfg = derive(cfg)
+    return cfg, cli.run_folder(cfg.out, "--out", cfg.overwrite, resumable=True)
 
 
 # ---- the data
@@ -144,18 +180,30 @@ def batch_of(cfg: Config, it: int, short: list, train_segs: list, per_epoch: int
 
 # ---- the update
 
+def masked_logprobs(policy, part: list, cfg: Config, pad_id: int, device, amp):
+    """A micro-batch of segments -> log-probs, entropies and the loss mask, [b, T] each (the LM head on
+    the trained tokens only)."""
+    ids, attn, mask_cpu = pad_segments(part, pad_id)  # [b, T] each
+    ids, attn, mask = ids.to(device), attn.to(device), mask_cpu.to(device)
+    pre = shared_prefix_len([s.input_ids for s in part])  # the prompt header, run once
+    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+        logp, ent = token_logprobs(policy, ids, attn, 1.0, cfg.fused, prefix_len=pre, positions=mask_cpu)
+    return logp, ent, mask
+
+
 def sft_step(policy, opt, segs, cfg: Config, pad_id: int, device, amp) -> dict:
     """One optimizer step on the token-mean cross-entropy over all micro-batches; one host sync."""
     n_tok = sum(sum(s.loss_mask) for s in segs)
-    nll_sum, ent_sum = torch.zeros((), device=device), torch.zeros((), device=device)
+    nll_sum = torch.zeros((), device=device)
+    ent_sum = torch.zeros((), device=device)
     for part in sorted_micro_batches(segs, cfg.micro_batch):
         logp, ent, mask = masked_logprobs(policy, part, cfg, pad_id, device, amp)  # [b, T] each
         nll = -(logp.float() * mask).sum()
         (nll / n_tok).backward()
         nll_sum += nll.detach()
         ent_sum += (ent.detach().float() * mask).sum()
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad],
-                                               MAX_GRAD_NORM)
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
     finite = torch.isfinite(grad_norm) & torch.isfinite(nll_sum)
     host = torch.stack([nll_sum / n_tok, ent_sum / n_tok, grad_norm.float(), finite.float()]).tolist()
     if host[3]:
@@ -188,37 +236,54 @@ def lr_factor(step: int, steps: int) -> float:
 
 # ---- main
 
+def as_text(trajs: list, tok, n: int) -> str:  # the first n trajectories as text
+    return "".join(dump(t, tok) + "\n" for t in trajs[:n])
+
+
 def main(argv=None):
-    # ---- 1. config and every input, checked before anything is written
-    try:
-        cfg, explicit = cli.parse(Config, argv, description=__doc__.split("\n")[0])
-        cfg = resume_config(Config, cfg, explicit, RESUMABLE) if cfg.resume else derive(cfg)
-        out = Path(cfg.out) if cfg.resume else cli.run_folder(cfg.out, "--out", cfg.overwrite, resumable=True)
-        # ---- 2. the model (+ LoRA) and its optimizer, a resumed run's checkpoint (engine/run.py)
+    # ---- 1. the config: every input checked before anything is written
+    with cli.one_line_errors():
+        cfg, out = configure(argv)
+        start, state, ck = resume_point(cfg, out, "steps")  # 0, or a resumed run's latest checkpoint
         t_start = time.time()
-        device, policy, tok, env_kw, opt, start, state, ck, kept_metrics = start_sft(cfg, out)
-    except ValueError as e:
-        cli.fail(str(e))
-    amp = autocast_dtype(device)
+
+        # ---- 2. the setup: device, policy (+ LoRA, App. G), optimizer
+        device = pick_device(cfg.device)
+        setup_device(device, cfg.threads)
+        amp = autocast_dtype(device)  # bf16 autocast on CUDA, fp32 weights
+        policy, tok, _ = load_policy(cfg.model, device)
+        check_budgets(policy, cfg.max_new_tokens, cfg.lora_rank)
+        env_kw = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
+        ENVS[cfg.env](**env_kw)  # a bad env option fails now, before the run folder exists
+        if cfg.lora_rank > 0:
+            torch.manual_seed(cfg.seed)  # the adapters' init
+            layers = add_lora(policy, cfg.lora_rank, cfg.lora_alpha)
+            print(f"LoRA r={cfg.lora_rank} alpha={cfg.lora_alpha:g} on {len(layers)} linear layers")
+        opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg.lr,
+                                weight_decay=cfg.weight_decay, betas=(0.9, cfg.adam_beta2))
+        kept_metrics = read_metrics(out / "metrics.jsonl", start) if ck else []
     rcfg = RolloutConfig.of(cfg, cfg.eval_temperature)
 
-    # ---- 3. data: expert trajectories, train and test disjoint
+    # ---- 3. the data: expert trajectories, train and test disjoint; a resumed run's state
     train_s, test_s = data_seeds(cfg.seed, cfg.train_trajectories, cfg.test_trajectories)
     trajs = expert_trajectories(cfg.env, train_s + test_s, rcfg, tok, cfg.expert_actions, env_kw)
     train_trajs, test_trajs = trajs[:cfg.train_trajectories], trajs[cfg.train_trajectories:]
-    train_segs, test_segs = ([s for t in part for s in t.segments] for part in (train_trajs, test_trajs))
+    train_segs = [s for t in train_trajs for s in t.segments]
+    test_segs = [s for t in test_trajs for s in t.segments]
     short = short_examples(train_trajs, tok, rcfg) if cfg.short_steps else []
     per_epoch = math.ceil(len(train_segs) / cfg.batch)
     cfg.steps = cfg.short_steps + cfg.epochs * per_epoch
+    expert = sum(t.success for t in train_trajs) / len(train_trajs)
     print(f"expert data: {len(train_segs)} train, {len(test_segs)} test sequences (expert success "
-          f"{sum(t.success for t in train_trajs) / len(train_trajs):.3f}); {len(short)} short examples")
+          f"{expert:.3f}); {len(short)} short examples")
     if unknown := unknown_words(tok, trajs):
         print(f"warning: no tokens for {unknown} in the expert's replies: trained as <unk>")
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, cfg.steps))
-    metrics_path = open_run(out, asdict(cfg), start, kept_metrics, cfg.overwrite and not cfg.resume)
-    print("config:", json.dumps(asdict(cfg)))
-    dumps = lambda ts: "".join(dump(t, tok) + "\n" for t in ts[:cfg.dump_trajectories])  # noqa: E731
-    (out / "expert-trajectories.txt").write_text(dumps(train_trajs))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, steps=cfg.steps))
+
+    # ---- 4. the run folder: config.json, metrics.jsonl, the expert's trajectories as text
+    replace = cfg.overwrite and not cfg.resume
+    metrics_path = open_run(out, asdict(cfg), start, kept_metrics, replace, ck, what="step")
+    (out / "expert-trajectories.txt").write_text(as_text(train_trajs, tok, cfg.dump_trajectories))
     if state is None:
         initial_loss = test_loss(policy, test_segs, cfg, tok.pad_token_id, device, amp)
         best = {"loss": initial_loss, "epoch": 0, "state": trainable_state(policy)}
@@ -228,9 +293,8 @@ def main(argv=None):
         opt.load_state_dict(state["opt"])
         sched.load_state_dict(state["sched"])
         initial_loss, best = state["initial_loss"], state["best"]
-        print(f"resumed from {ck} at step {start}")
 
-    # ---- 4. the loop
+    # ---- 5. the loop
     from tqdm import tqdm
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc="SFT", dynamic_ncols=True)
     policy.train()
@@ -262,9 +326,8 @@ def main(argv=None):
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(m) + "\n")
             if cfg.save_every and ((it + 1) % cfg.save_every == 0 or it + 1 == cfg.steps):
-                save_checkpoint(out, it + 1, tok, {"policy": policy}, {
-                    "opt": opt.state_dict(), "sched": sched.state_dict(), "initial_loss": initial_loss,
-                    "best": best}, config=asdict(cfg))
+                saved = {"opt": opt, "sched": sched, "initial_loss": initial_loss, "best": best}
+                save_checkpoint(out, it + 1, tok, {"policy": policy}, saved, config=asdict(cfg))
                 saved_at = it + 1
             tqdm.write(step_line(m, cfg.steps))
     except KeyboardInterrupt:
@@ -274,7 +337,7 @@ def main(argv=None):
                                 f"sft_baseline.py --resume {out}") from None
     bar.close()
 
-    # ---- 5. export: the lowest-test-loss parameters, LoRA merged, one final eval
+    # ---- 6. export: the lowest-test-loss parameters, LoRA merged, one final eval
     policy.load_state_dict(best["state"], strict=False)
     merged = merge_lora(policy)
     policy.eval()
@@ -282,7 +345,7 @@ def main(argv=None):
     t0 = time.time()
     em, etrajs = evaluate(cfg.env, rcfg, policy, tok, prompts=cfg.eval_prompts, seed=cfg.seed,
                           env_overrides=env_kw)
-    (out / "trajectories-final.txt").write_text(dumps(etrajs))
+    (out / "trajectories-final.txt").write_text(as_text(etrajs, tok, cfg.dump_trajectories))
     result = {"initial_test_loss": initial_loss, "best_epoch": best["epoch"], "best_test_loss": best["loss"],
               "lora_layers_merged": merged, **{f"eval/{key}": v for key, v in em.items()},
               "time/eval": time.time() - t0, "time/total": time.time() - t_start}

@@ -13,16 +13,49 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from engine.distributed import all_ranks, check_shard, micro_batches, no_sync, sum_ranks
-from engine.logprobs import add_drift, drift_metrics, token_logprobs
+from engine.logprobs import TokenLogprobs, add_drift, drift_metrics, fused_token_logprobs
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 LOG_RATIO_CLAMP = 20.0
+
+
+# ---- log-probs: the one token convention every loss below depends on
+
+def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   temperature: float = 1.0, fused: bool = True, chunk_size: int = 1024, prefix_len: int = 0,
+                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs and entropies [B, T] of a causal LM, at the sampling temperature (the ratio's two
+    log-probs must be of one distribution). The convention: logp[:, t] = log p(input_ids[:, t] |
+    input_ids[:, :t]), so column 0 is 0 (nothing predicts the first token) and a loss mask on the sampled
+    tokens lines up with logp as it is; entropy[:, t] is the entropy of that same distribution.
+
+    `fused=True` computes the same numbers without the [B, T, V] logits, the shared prompt header
+    (`prefix_len`) run once (engine/logprobs.py, tested equal). `positions` [B, T]: the tokens the caller reads;
+    both outputs are 0 elsewhere. `model` may be a TokenLogprobs, or DDP around one (torchrun)."""
+    if isinstance(model, TokenLogprobs) or isinstance(getattr(model, "module", None), TokenLogprobs):
+        return model(input_ids, attention_mask, temperature, fused, chunk_size, prefix_len, positions)
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        raise ValueError("token_logprobs got DistributedDataParallel(model): wrap TokenLogprobs(model, "
+                         "token_logprobs) instead, or its gradients are never all-reduced (see TokenLogprobs)")
+    if fused:
+        return fused_token_logprobs(model, input_ids, attention_mask, temperature, chunk_size, prefix_len,
+                                    positions)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, V]
+    logp_all = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)  # [B, T-1, V]: t predicts t+1
+    logp = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, T-1]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B, T-1]
+    if positions is not None:
+        read = positions[:, 1:].to(logp.device).float()  # [B, T-1]
+        logp, entropy = logp * read, entropy * read
+    return F.pad(logp, (1, 0)), F.pad(entropy, (1, 0))  # [B, T], column 0 = 0
 
 
 # ---- losses
@@ -98,12 +131,15 @@ class Critic(nn.Module):
     """PPO's value model (Appendix A): the policy's backbone, a zero-initialised scalar head. values[:, t]:
     the value of the state before token t."""
 
-    def __init__(self, backbone: nn.Module):
+    def __init__(self, backbone: nn.Module, head_state: dict | None = None):
         super().__init__()
         self.backbone = backbone
         self.value_head = nn.Linear(backbone.config.hidden_size, 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
+        if head_state is not None:  # a critic's own checkpoint (engine/models.load_critic)
+            self.value_head.load_state_dict(head_state)
+        self.value_head.to(next(backbone.parameters()).device)
 
     def forward(self, input_ids, attention_mask):
         h = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # [B, T, H]
@@ -178,11 +214,15 @@ class UpdateConfig:
     chunk_size: int = 1024
 
     @classmethod
-    def of(cls, cfg) -> "UpdateConfig":  # a KL in the rewards is only measured here
+    def of(cls, cfg) -> "UpdateConfig":
+        """train.py's Config -> the update's settings. A KL in the rewards (PPO as the paper ran StarPO) is
+        only measured here, not a loss term."""
+        kl_coef = 0.0 if cfg.kl_in_reward else cfg.kl_coef
         return cls(mini_batch=cfg.mini_batch, micro_batch=cfg.micro_batch, clip_low=cfg.clip_low,
                    clip_high=cfg.clip_high, agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef,
-                   kl_coef=0.0 if cfg.kl_in_reward else cfg.kl_coef, kl_kind=cfg.kl_kind,
-                   temperature=cfg.temperature, dual_clip=cfg.dual_clip or None, fused=cfg.fused)
+                   kl_coef=kl_coef, kl_kind=cfg.kl_kind, value_clip=cfg.value_clip,
+                   max_grad_norm=cfg.grad_clip, temperature=cfg.temperature,
+                   dual_clip=cfg.dual_clip or None, fused=cfg.fused)
 
 
 # ---- update
@@ -207,7 +247,6 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
     check_shard(world, generator, policy, critic)
     device = next(policy.parameters()).device
     batch = batch.to(device)
-    autocast = lambda: torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None)  # noqa
     has_ref = batch.ref_logp is not None
     if batch.old_logp is None and len(batch) > cfg.mini_batch:
         raise ValueError("without old_logp the batch must fit one mini-batch: after a step the policy is no "
@@ -217,10 +256,9 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
     for o in optimizers:
         o.zero_grad(set_to_none=True)
 
-    zero = lambda: torch.zeros((), device=device)  # noqa: E731
     # over the steps taken: token-weighted sums, sums of PER_STEP
     keys = ["tokens", *TOKEN_METRICS, *(("pg_clipfrac_dual",) if cfg.dual_clip else ()), *PER_STEP]
-    totals = {k: zero() for k in keys}
+    totals = {k: torch.zeros((), device=device) for k in keys}
     drift = torch.zeros(3, device=device)  # |old_logp - the sampler's|: sum, tokens, max
     steps_taken = skipped = 0
 
@@ -230,7 +268,7 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
         tokens = m.sum().float()
         count = tokens if cfg.agg == "token-mean" else (m.sum(dim=1) > 0).sum().float()
         denom, token_denom = count.clamp(min=1) / world, tokens.clamp(min=1) / world
-        step = {k: zero() for k in keys}
+        step = {k: torch.zeros((), device=device) for k in keys}
         finite = torch.ones((), dtype=torch.bool, device=device)
         plan = micro_batches(len(mb), cfg.micro_batch, rank, world)
         for j, rows in enumerate(plan):
@@ -239,7 +277,7 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
                 dataclasses.replace(mb.select([0]), loss_mask=mb.loss_mask[:1] * 0)
             n_tok = (mi.loss_mask > 0).sum().float()
             with no_sync(policy, critic) if j < len(plan) - 1 else contextlib.nullcontext():
-                with autocast():
+                with torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None):
                     logp, ent = token_logprobs(policy, mi.input_ids, mi.attention_mask, cfg.temperature,
                                                cfg.fused, cfg.chunk_size, prefix_len=mi.prefix_len)
                 old_logp = mi.old_logp if mi.old_logp is not None else logp.detach()  # ratio 1
@@ -265,7 +303,7 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
                         step[k] += v * n_tok  # token means back to sums
 
                 if critic is not None:
-                    with autocast():
+                    with torch.autocast(device.type, autocast_dtype, enabled=autocast_dtype is not None):
                         values = critic(mi.input_ids, mi.attention_mask)  # [b, T]
                     vl, vm = value_loss(values, mi.old_values, mi.returns, mi.loss_mask, cfg.value_clip,
                                         denom=token_denom)
@@ -301,3 +339,14 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
     return {**{f"train/{k}": host[k] / (n_steps if k in PER_STEP else n_tokens) for k in keys[1:]
                if k not in absent}, **drift_metrics(drift, world),
             "train/skipped_nonfinite": float(skipped), "train/optimizer_steps": float(steps_taken)}
+
+
+def merge_passes(passes: list[dict]) -> dict:
+    """The metrics of several passes of `update` over one batch (--ppo-epochs): counts summed, the rest
+    averaged."""
+    merged = {}
+    for key in passes[0]:
+        values = [p[key] for p in passes]
+        counted = key in ("train/optimizer_steps", "train/skipped_nonfinite")
+        merged[key] = sum(values) if counted else statistics.fmean(values)
+    return merged

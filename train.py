@@ -1,371 +1,537 @@
-"""StarPO / StarPO-S training (paper sections 2-4): multi-turn rollouts -> variance filter -> PPO/GRPO update.
+"""StarPO / StarPO-S training (paper sections 2-4): rollouts -> filter -> update.
 
-    python train.py --env sokoban --algo grpo --filter 0.25  # StarPO-S, the paper's recipe
-    python train.py --preset starpo --env bandit  # StarPO: no filter, KL 0.001, clip 0.2/0.2
-    python train.py --env sokoban --algo ppo --model Qwen/Qwen2.5-0.5B-Instruct  # the paper's run, one GPU
+    python train.py --env sokoban --algo grpo --filter 0.25  # StarPO-S, the paper's
+    python train.py --preset starpo --env bandit  # StarPO: no filter, KL, clip 0.2/0.2
+    python train.py --algo ppo --model Qwen/Qwen2.5-0.5B-Instruct  # the paper's run, a GPU
 
-One iteration: P prompts x N rollouts -> keep the groups with the largest in-group reward std (section 4.2)
--> advantages (GRPO: group-normalised; PPO: GAE with a critic) -> mini-batch updates -> the Echo Trap
-monitor, a JSONL line, eval, checkpoint. Every draw of iteration i derives from (--seed, i), so --resume
-reproduces the uninterrupted run. Options beyond the paper are opt-in, in extras/. Next: sft_baseline.py.
+`main` reads top to bottom: the config, the setup (device, policy, critic, KL reference,
+optimizers, monitor), then the loop. One iteration: P prompts x N rollouts -> keep the
+groups whose rewards disagree most (section 4.2) -> advantages (GRPO: group-normalised;
+PPO: GAE with a critic) -> mini-batch updates -> the Echo Trap monitor, a JSONL line,
+eval, checkpoint. Each draw of iteration i derives from (--seed, i): --resume reproduces
+the uninterrupted run. Options beyond the paper (extras/) plug into the loop's named
+points (`extension_points`). Next: sft_baseline.py.
 """
 from __future__ import annotations
 
+import copy
+import functools
 import json
 import time
-from statistics import fmean as mean
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from advantages import broadcast_to_tokens, gae, grpo_advantages, kl_penalized_rewards, whiten
-from advantages import place_reward_on_last_token as reward_on_last
-from engine import cli, distributed as dist
-from engine.checkpoint import resume_config, save_checkpoint
-from engine.logprobs import TokenLogprobs, pad_logps, pad_segments, shared_prefix_len, token_logprobs
-from engine.lora import adapters_off
-from engine.models import autocast_dtype, default_reply_tokens, memory_metrics, model_kind, visiting
-from engine.report import describe, iteration_line
-from engine.run import finish_run, inherit_rendering, start_run
+from advantages import ESTIMATORS, estimator, has_signal
+from engine import cli
+from engine import distributed as dist
+from engine.checkpoint import open_run, read_metrics, restore_models, restore_optimizers
+from engine.checkpoint import resume_config, resume_point, save_checkpoint
+from engine.logprobs import TokenLogprobs, pad_logps, pad_segments, shared_prefix_len
+from engine.lora import adapters_off, apply_levers
+from engine.models import autocast_dtype, check_budgets, default_reply_tokens, load_critic
+from engine.models import load_policy, memory_metrics, model_kind, pick_device
+from engine.models import setup_device, visiting
+from engine.report import iteration_line, run_line
+from engine.run import finish_run, inherit_rendering
 from envs import ENVS, train_seeds
-from eval import eval_metrics, summarize
+from eval import eval_metrics, rollout_metrics
 from filter import select_groups
-from monitor import watch
+from monitor import EchoMonitor, watch
 from rollout import ROLLOUT_KEYS, RolloutConfig, Segment, rollout, trained_mask
-from starpo import AGG_MODES, Batch, UpdateConfig, masked_mean, update
+from starpo import AGG_MODES, Batch, Critic, UpdateConfig, merge_passes, token_logprobs
+from starpo import update
 
-ALGOS, NOISE = ["grpo", "ppo", "gigpo"], ["shared", "independent"]
-METRICS = ["reward_std", "reward_mean", "reward_sum"]
-PAPER = dict(think=True, context_turns=0, max_turns=5, max_actions_per_turn=5, prompts=8, rollouts=16)
-PRESETS = {  # the paper's recipes (section 4.2, App. C.2); StarPO's KL is RAGEN's k1
-    "starpo": dict(filter=1.0, kl_coef=0.001, kl_kind="k1", clip_low=0.2, clip_high=0.2, **PAPER),
-    "starpo-s": dict(filter=0.25, kl_coef=0.0, clip_low=0.2, clip_high=0.28, **PAPER)}
-MODEL_DEFAULTS = {  # fields left at None: hub models the paper's (App. C.2), tiny what trains on a CPU
+# the paper's two recipes (section 4.2, App. C.2); StarPO's KL is RAGEN's k1
+PRESETS = {
+    "starpo": dict(filter=1.0, kl_coef=0.001, kl_kind="k1", clip_low=0.2, clip_high=0.2),
+    "starpo-s": dict(filter=0.25, kl_coef=0.0, clip_low=0.2, clip_high=0.28)}
+# the fields left at None, per model size: hub models the paper's (App. C.2), tiny a CPU's
+MODEL_DEFAULTS = {
     "tiny": dict(lr=1e-4, critic_lr=1e-3, steps=30, eval_prompts=128, micro_batch=16, imitation_lr=2.5e-4),
     "hf": dict(lr=1e-6, critic_lr=1e-5, steps=200, eval_prompts=256, micro_batch=4, imitation_lr=5e-4)}
-flag = cli.flag
+KL, METRICS, NOISE = ["k1", "k3"], ["reward_std", "reward_mean", "reward_sum"], ["shared", "independent"]
+FILTERS, TOP_P = ["top_k", "top_k_abs", "top_p", "min_p"], ["linear", "softmax"]
+DEMOS, GIGPO = ["hindsight", "best"], ["mean_norm", "mean_std_norm"]
+flag, option = cli.flag, cli.option
 
 
 @dataclass
 class Config:
     # ---- the paper's method (section 4.2, Appendix C.2)
-    env: str = flag("sokoban", "environment", choices=ENVS)
-    algo: str = flag("grpo", "grpo, ppo (critic + GAE); beyond the paper: gigpo", choices=ALGOS)
+    env: str = flag("sokoban", "the environment (section 3.1)", choices=ENVS)
+    algo: str = flag("grpo", "advantages: grpo (group-normalised), ppo (critic + GAE)", choices=ESTIMATORS)
     preset: str | None = flag(None, "the paper's recipes (typed flags win)", choices=PRESETS)
-    filter: float = flag(0.25, "share of groups kept by in-group reward std (1 = all)", gt=0)
+    filter: float = flag(0.25, "fraction of prompt groups kept by in-group reward std (1 = all)", gt=0)
     filter_smallest: bool = flag(False, "keep the LOWEST-std groups (the paper's ablation)")
     kl_coef: float = flag(0.0, "KL-to-initial-policy coefficient (StarPO: 0.001)", lo=0)
-    kl_kind: str = flag("k3", "KL estimator: k1 (RAGEN's `kl`, the paper's runs), k3", choices=["k1", "k3"])
+    kl_kind: str = flag("k3", "KL estimator: k1 (the paper's runs), k3 (low-variance)", choices=KL)
     kl_in_reward: bool | None = flag(None, "PPO: the KL in the rewards (default: with --preset starpo)")
     clip_low: float = flag(0.2, "PPO clip eps_low", lo=0, lt=1)
     clip_high: float = flag(0.28, "PPO clip eps_high (Clip-Higher; StarPO: 0.2)", lo=0)
     entropy_coef: float = flag(0.001, "entropy bonus coefficient", lo=0)
-    prompts: int | None = flag(None, "P: prompts per iteration (paper: 8)", lo=1)
-    rollouts: int | None = flag(None, "N: rollouts per prompt (paper: 16)", lo=2)
-    max_turns: int | None = flag(None, "turns per episode (paper: 5)", lo=1)
-    max_actions_per_turn: int | None = flag(None, "actions per turn (paper: 5)", lo=1)
+    value_clip: float = flag(0.5, "PPO: the value loss's clip around the rollout's values", gt=0)
+    grad_clip: float = flag(1.0, "gradient norm clip, policy and critic", gt=0)
+    weight_decay: float = flag(0.01, "AdamW weight decay, policy and critic (verl's)", lo=0)
+    prompts: int = flag(8, "P: prompts (initial states) per iteration", lo=1)
+    rollouts: int = flag(16, "N: rollouts per prompt, a group", lo=2)
+    max_turns: int = flag(5, "turns per episode", lo=1)
+    max_actions_per_turn: int = flag(5, "actions per turn", lo=1)
     max_actions: int = flag(10, "actions per episode", lo=1)
-    max_new_tokens: int | None = flag(None, "tokens per reply (default: tiny 100, hub models 400/500)", lo=1)
+    max_new_tokens: int | None = flag(None, "tokens per reply (default: tiny 100, hub 400/500)", lo=1)
     format_penalty: float = flag(-0.1, "reward of a turn without a valid answer")
-    think: bool | None = flag(None, "<think>...</think> before <answer> (paper: on)")
-    context_turns: int | None = flag(None, "history: 0 = all turns (paper), K = the last K", lo=0)
+    think: bool = flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
+    context_turns: int = flag(0, "history: 0 = the whole conversation, K = the last K turns", lo=0)
     gamma: float = flag(1.0, "GAE discount (PPO)", lo=0, hi=1)
     lam: float = flag(1.0, "GAE lambda (PPO)", lo=0, hi=1)
     grpo_std_norm: bool = flag(True, "GRPO divides by the group std (off: Dr.GRPO)")
     mini_batch: int = flag(32, "training sequences per optimizer step", lo=1)
     ppo_epochs: int = flag(1, "passes over each rollout batch (the paper's runs: 1)", lo=1)
-    online_k: int = flag(1, "RAGEN's Online-k (Fig. 7): k x P prompts (paper: 1)", lo=1)
-    group_noise: str = flag("shared", "a group's luck: shared (RAGEN's) or not", choices=NOISE)
-    response_mask: bool = flag(True, "train sampled tokens only (off: all, as the paper's runs did)")
+    online_k: int = flag(1, "RAGEN's Online-k (Fig. 7): k x P prompts, each used once", lo=1)
+    group_noise: str = flag("shared", "a group's rollouts share their luck (RAGEN's) or not", choices=NOISE)
+    response_mask: bool = flag(True, "train only sampled tokens (off: all, as the paper's runs)")
     loss_agg: str = flag("token-mean", "seq-mean-token-mean: the paper's 1/|tau| form", choices=AGG_MODES)
     temperature: float = flag(1.0, "rollout sampling temperature", gt=0)
-    lr: float | None = flag(None, "policy learning rate (default: tiny 1e-4, hub models 1e-6)", gt=0)
-    critic_lr: float | None = flag(None, "critic learning rate (default: tiny 1e-3, hub models 1e-5)", gt=0)
+    lr: float | None = flag(None, "policy learning rate (default: tiny 1e-4, hub 1e-6)", gt=0)
+    critic_lr: float | None = flag(None, "critic learning rate (default: tiny 1e-3, hub 1e-5)", gt=0)
     steps: int | None = flag(None, "training iterations (default: tiny 30, hub models 200)", lo=1)
-    eval_every: int = flag(10, "evaluate every K iterations (0: only at the end)", lo=0)
-    eval_prompts: int | None = flag(None, "eval prompts (default: tiny 128, hub models 256)", lo=1, hi=256)
+    eval_every: int = flag(10, "evaluate every this many iterations (0: at the end)", lo=0)
+    eval_prompts: int | None = flag(None, "eval prompts (default: tiny 128, hub 256)", lo=1, hi=256)
     eval_temperature: float = flag(0.5, "eval sampling temperature (paper: 0.5)", lo=0)
-    # ---- beyond the paper (opt-in, extras/; a run names those it uses in its first line)
-    filter_strategy: str = flag("top_k", "RAGEN's rules", choices=["top_k", "top_k_abs", "top_p", "min_p"],
-                                beyond=True)
-    filter_metric: str = flag("reward_std", "what groups are ranked by", beyond=True, choices=METRICS)
-    filter_include_zero: bool = flag(True, "rank zero-score groups too (RAGEN-2: off)", beyond=True)
-    filter_top_p_mode: str = flag("linear", "top_p's mode", choices=["linear", "softmax"], beyond=True)
-    filter_eps: float = flag(0.01, "top_p linear: RAGEN's selection_eps", lo=0, beyond=True)
-    filter_empty_stop: int = flag(0, "stop after K iterations with no group kept", lo=0, beyond=True)
-    turn_rewards: bool = flag(False, "PPO: each turn's reward on its last token (RAGEN)", beyond=True)
-    bi_level_gae: bool = flag(False, "PPO: turn-level, then token-level GAE (RAGEN)", beyond=True)
-    high_level_gamma: float = flag(0.95, "--bi-level-gae's turn-level discount", lo=0, hi=1, beyond=True)
-    dual_clip: float = flag(0.0, "verl's dual clip C > 1 (RAGEN's runs: 3; 0: off)", lo=0, beyond=True)
-    collapse_every: int = flag(0, "RAGEN-2's template-collapse metrics every K iterations", lo=0, beyond=True)
-    collapse_samples: int = flag(64, "first turns scored per collapse measurement", lo=2, beyond=True)
-    hindsight_imitation: int = flag(0, "Sokoban: K passes of GCSL after each update", lo=0, beyond=True)
-    imitation_demos: str = flag("hindsight", "its demos (or each room's best)", choices=["hindsight", "best"],
-                                beyond=True)
-    imitation_lr: float | None = flag(None, "its learning rate (default: tiny 2.5e-4, hub models 5e-4)", gt=0)
-    gigpo_weight: float = flag(1.0, "--algo gigpo: the step-level advantage's weight", lo=0, beyond=True)
-    gigpo_gamma: float = flag(0.95, "--algo gigpo: the step-level discount", gt=0, hi=1, beyond=True)
-    gigpo_mode: str = flag("mean_norm", "--algo gigpo: the step groups' normalisation", beyond=True,
-                           choices=["mean_norm", "mean_std_norm"])
+    # ---- beyond the paper (opt-in, extras/options.py; a run names those it uses in its first line)
+    filter_strategy: str = option("top_k", "RAGEN's rules (top_k: the paper's)", choices=FILTERS)
+    filter_metric: str = option("reward_std", "the score groups are ranked by", choices=METRICS)
+    filter_include_zero: bool = option(True, "rank zero-score groups too (RAGEN-2: off)")
+    filter_top_p_mode: str = option("linear", "top_p over the score or softmax mass", choices=TOP_P)
+    filter_eps: float = option(0.01, "top_p linear: RAGEN's selection_eps", lo=0)
+    filter_empty_stop: int = option(0, "stop after K iterations with no group kept (RAGEN: 5)", lo=0)
+    turn_rewards: bool = option(False, "PPO: each turn's reward on its last token (RAGEN)")
+    bi_level_gae: bool = option(False, "PPO: turn-level, then token-level GAE (RAGEN)")
+    high_level_gamma: float = option(0.95, "--bi-level-gae's turn-level discount", lo=0, hi=1)
+    dual_clip: float = option(0.0, "verl's dual clip C > 1 (RAGEN's runs: 3; 0: off)", lo=0)
+    collapse_every: int = option(0, "RAGEN-2's template-collapse metrics every K iterations", lo=0)
+    collapse_samples: int = option(64, "first turns scored per collapse measurement", lo=2)
+    hindsight_imitation: int = option(0, "Sokoban: K passes of GCSL after each update", lo=0)
+    imitation_demos: str = option("hindsight", "its demos: relabelled, or each room's best", choices=DEMOS)
+    imitation_lr: float | None = option(None, "its AdamW's rate (default: tiny 2.5e-4, hub 5e-4)", gt=0)
+    gigpo_weight: float = option(1.0, "--algo gigpo: the step-level weight", lo=0)
+    gigpo_gamma: float = option(0.95, "--algo gigpo: the step-level discount", gt=0, hi=1)
+    gigpo_mode: str = option("mean_norm", "--algo gigpo: the step groups' normalisation", choices=GIGPO)
     # ---- the run, the model, memory
-    seed: int = flag(0, "seed of everything", lo=0, hi=cli.SEED_MAX)
+    seed: int = flag(0, "seed of everything (rooms, sampling, batch order)", lo=0, hi=cli.SEED_MAX)
     out: str | None = flag(None, "run folder (default: runs/ENV-ALGO-sSEED, preset, digest)")
     resume: str | None = flag(None, "continue the run in this folder from its last checkpoint")
     overwrite: bool = flag(False, "replace the run in --out (only the files a run writes)")
     model: str = flag("tiny", "tiny (the shipped prior), a hub id, a folder, a run or a .gguf file")
     device: str = flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
-    threads: int = flag(1, "CPU threads", lo=1)
-    micro_batch: int | None = flag(None, "sequences per forward (default: tiny 16, hub models 4)", lo=1)
-    fused: bool = flag(True, "chunked log-probs, never [B, T, V] logits")
+    threads: int = flag(1, "CPU threads (1 measured fastest for the prior on 2 cores)", lo=1)
+    micro_batch: int | None = flag(None, "sequences per forward (default: tiny 16, hub 4)", lo=1)
+    fused: bool = flag(True, "chunked log-probs, never the [B, T, V] logits")
     save_every: int = flag(10, "checkpoint every K iterations (0: only final/)", lo=0)
     dump_trajectories: int = flag(3, "trajectories written as text at each eval", lo=0)
     stop_on_collapse: bool = flag(False, "end the run when the Echo Trap monitor fires")
     lora_rank: int = flag(0, "LoRA adapters of this rank (0: every weight, the paper)", lo=0)
-    lora_alpha: float = flag(32.0, "LoRA alpha", gt=0)
+    lora_alpha: float = flag(32.0, "LoRA alpha (the update is scaled by alpha / rank)", gt=0)
     grad_checkpoint: bool = flag(False, "recompute activations in backward (less memory)")
     memory_cap: float | None = flag(None, "CUDA: cap the GPU memory at this many GiB", gt=0)
     webshop_data: str | None = flag(None, "folder with the original WebShop files")
-    groups: int = field(default=0, metadata={"derived": True})  # prompt groups rolled out: P x online_k
+    # derived once the flags are read: the prompt groups rolled out, P x online_k
+    groups: int = field(default=0, metadata={"derived": True})
+
+
+RESUMABLE = {"steps", "device", "threads", "memory_cap"}  # what --resume may change
 
 
 def derive(cfg: Config, explicit: set[str] = frozenset()) -> Config:
-    """Per-model defaults, the default run folder (two commands never share one), one-line errors."""
+    """The per-model defaults, the run folder (two commands never share one), the
+    rules between flags: one-line errors."""
     kind = model_kind(cfg.model)
-    cli.fill_defaults(cfg, {**PAPER, **MODEL_DEFAULTS[kind], "kl_in_reward": cfg.preset == "starpo" and
-                            cfg.algo == "ppo", "max_new_tokens": default_reply_tokens(kind, cfg.env)})
-    rules = [(not cfg.kl_in_reward or cfg.algo == "ppo", "--kl-in-reward: PPO only (GRPO: in the loss)"),
-             (cfg.filter <= 1 or cfg.filter_strategy == "top_k_abs", f"--filter {cfg.filter}: must be <= 1 "
-              f"with --filter-strategy {cfg.filter_strategy} (a share; top_k_abs takes a number of groups)"),
-             (cfg.micro_batch <= cfg.mini_batch, f"--micro-batch {cfg.micro_batch}: larger than --mini-batch "
-                                                 f"{cfg.mini_batch} (a micro-batch is part of a mini-batch)"),
-             (not cfg.webshop_data or cfg.env == "webshop", f"--webshop-data {cfg.webshop_data}: only for "
-                                                            f"--env webshop (this run: --env {cfg.env})")]
-    if cli.opt_ins(cfg) or cfg.algo == "gigpo":
-        from extras.options import rules as beyond_rules
-        rules += beyond_rules(cfg)
+    cli.fill_defaults(cfg, MODEL_DEFAULTS[kind])
+    budget = default_reply_tokens(kind, cfg.env)
+    cli.fill_defaults(cfg, {"max_new_tokens": budget})
+    if cfg.kl_in_reward is None:  # StarPO with PPO as the paper ran it
+        cfg.kl_in_reward = cfg.preset == "starpo" and cfg.algo == "ppo"
+    typed_micro = "micro_batch" in explicit
+    if cfg.micro_batch > cfg.mini_batch and not typed_micro:
+        cfg.micro_batch = cfg.mini_batch  # a default follows what was typed
+    share = cfg.filter <= 1 or cfg.filter_strategy == "top_k_abs"
+    rules = [
+        (not cfg.kl_in_reward or cfg.algo == "ppo",
+         "--kl-in-reward: PPO only (GRPO: in the loss)"),
+        (share, f"--filter {cfg.filter}: must be <= 1 with --filter-strategy "
+                f"{cfg.filter_strategy} (a share; top_k_abs takes a number of groups)"),
+        (cfg.micro_batch <= cfg.mini_batch,
+         f"--micro-batch {cfg.micro_batch}: larger than --mini-batch "
+         f"{cfg.mini_batch} (a micro-batch is part of a mini-batch)"),
+        (not cfg.webshop_data or cfg.env == "webshop",
+         f"--webshop-data {cfg.webshop_data}: only for --env webshop "
+         f"(this run: --env {cfg.env})")]
+    if cli.opt_ins(cfg) or cfg.algo not in ("grpo", "ppo"):
+        from extras.options import rules as beyond
+        rules += beyond(cfg, explicit)
     cli.check(cli.bounds(cfg) + rules)
     cfg.groups = cfg.prompts * cfg.online_k
-    base = f"runs/{cfg.env}-{cfg.algo}-s{cfg.seed}"
-    cfg.out = cli.default_out(cfg, explicit - {"env", "algo", "seed"}, base, ("preset",)) if cfg.out is None \
-        else cfg.out
+    if cfg.out is None:
+        base = f"runs/{cfg.env}-{cfg.algo}-s{cfg.seed}"
+        typed = explicit - {"env", "algo", "seed"}
+        cfg.out = cli.default_out(cfg, typed, base, ("preset",))
     return cfg
 
 
+def configure(argv) -> tuple[Config, Path]:
+    """The flags -> (the checked Config, the run folder). A resumed run reads its own
+    config; a --model that a run trained lends its prompt rendering. Writes nothing."""
+    about = __doc__.split("\n")[0]
+    cfg, explicit = cli.parse(Config, argv, description=about, presets=PRESETS)
+    if cfg.resume:
+        dropped = ("groups_kept", "hindsight")  # keys of removed fields
+        cfg = resume_config(Config, cfg, explicit, RESUMABLE, dropped)
+        return derive(cfg, explicit), Path(cfg.out)
+    cfg = inherit_rendering(cfg, explicit, ROLLOUT_KEYS)
+    cfg = derive(cfg, explicit)
+    out = cli.run_folder(cfg.out, "--out", cfg.overwrite, resumable=True)
+    return cfg, out
+
+
+def describe(cfg: Config, device) -> str:
+    """The run's first line. StarPO-S: the paper's three changes (the filter, no KL,
+    Clip-Higher); StarPO: none of them; else, or with an option, "(modified)"."""
+    extra, modified = "", cfg.algo not in ("grpo", "ppo")
+    if cli.opt_ins(cfg) or modified:
+        from extras.options import describe as beyond
+        extra, changes = beyond(cfg)
+        modified = modified or changes
+    changes = [cfg.filter < 1, cfg.kl_coef == 0, cfg.clip_high > cfg.clip_low]
+    name = "StarPO-S" if all(changes) else "StarPO"
+    if modified or (any(changes) and not all(changes)):
+        name += " (modified)"
+    return run_line(name, cfg, extra, device)
+
+
 def seed_of(cfg: Config, it: int, stream: int | None = None) -> int:
-    """Iteration `it`'s seed (stream k: the update's k-th pass; 77: the imitation): a resumed run needs no
-    saved generator state."""
-    return cfg.seed * 1_000_003 + (it if stream is None else it * 101 + stream)
+    """Iteration `it`'s seed (stream k: the update's k-th pass; 77: the imitation):
+    a resumed run needs no saved generator state."""
+    if stream is None:
+        return cfg.seed * 1_000_003 + it
+    return cfg.seed * 1_000_003 + it * 101 + stream
+
+
+# ---- the extension points: what the loop calls by name
+
+def paper_filter(group_rewards: torch.Tensor, cfg: Config):
+    """StarPO-S's filter (section 4.2): the top --filter share by in-group std."""
+    return select_groups(group_rewards, cfg.filter, largest=not cfg.filter_smallest)
+
+
+def extension_points(cfg: Config, run: dict) -> dict:
+    """The loop's named points: the filter, the estimator (--algo, from
+    advantages.ESTIMATORS), and hooks after the rollout and after the update,
+    `hook(it, trajs, metrics) -> a reason to stop, or None` (the paper has none). An
+    option beyond the paper plugs in here (extras/options.py); `run` holds what a hook
+    may use (policy, optimizers, ...)."""
+    points = {"filter": paper_filter, "estimator": estimator(cfg.algo),
+              "after_rollout": [], "after_update": []}
+    if cli.opt_ins(cfg):
+        from extras.options import plug
+        plug(cfg, points, run)
+    return points
 
 
 # ---- the loop's steps
 
-def iteration_rollouts(cfg: Config, it: int, policy, tok, rcfg: RolloutConfig, env_kw: dict, device) -> list:
-    """Iteration `it`'s rollouts, in groups sharing a room and its luck (torchrun: from every rank)."""
-    gen = torch.Generator(device=device).manual_seed(seed_of(cfg, it) + (dist.rank() << 40))
+def iteration_rollouts(cfg: Config, it: int, policy, tok, rcfg: RolloutConfig,
+                       env_kw: dict, device) -> list:
+    """Iteration `it`'s rollouts, in groups that share a room and its luck
+    (torchrun: each rank rolls out its groups, all ranks get them all)."""
+    seed = seed_of(cfg, it) + (dist.rank() << 40)
+    gen = torch.Generator(device=device).manual_seed(seed)
     seeds = train_seeds(np.random.default_rng([cfg.seed, it]), cfg.groups)
     mine, n = dist.my_range(cfg.groups), cfg.rollouts
-    samples = [k if cfg.group_noise == "independent" else 0 for _ in mine for k in range(n)]
+    env_seeds = [seeds[g] for g in mine for _ in range(n)]
+    group_ids = [g for g in mine for _ in range(n)]
+    shared = cfg.group_noise == "shared"
+    samples = [0 if shared else k for _ in mine for k in range(n)]
     policy.eval()
-    trajs = rollout(cfg.env, [seeds[g] for g in mine for _ in range(n)], [g for g in mine for _ in range(n)],
-                    rcfg, tokenizer=tok, model=policy, generator=gen, env_overrides=env_kw, samples=samples)
+    trajs = rollout(cfg.env, env_seeds, group_ids, rcfg, tokenizer=tok,
+                    model=policy, generator=gen, env_overrides=env_kw,
+                    samples=samples)
     return dist.all_gather_objects(trajs)
 
 
-def filter_groups(cfg: Config, trajs: list):
-    """StarPO-S's filter (section 4.2): whole groups in or out. -> (kept, why the update is skipped, metrics):
-    an empty batch, or GRPO's without a reward spread, is logged and skipped, not a silent no-op."""
-    rewards = torch.tensor([t.reward for t in trajs]).view(cfg.groups, cfg.rollouts)  # [G, N]
-    if cfg.filter_strategy == "top_k" and cfg.filter_metric == "reward_std" and cfg.filter_include_zero:
-        keep, fs = select_groups(rewards, keep=cfg.filter, largest=not cfg.filter_smallest)
-    else:  # beyond the paper: RAGEN's later rules
-        from extras.filter_rules import select_groups_by_rule
-        keep, fs = select_groups_by_rule(rewards, cfg.filter, not cfg.filter_smallest, cfg.filter_strategy,
-                                         cfg.filter_include_zero, cfg.filter_top_p_mode, cfg.filter_eps,
-                                         cfg.filter_metric)
-    m = {f"rollout/{k}": fs[k] for k in ("in_group_std", "in_group_std_max", "chosen_in_group_std",
-                                         "filter_kept", "zero_std_groups")}
+def filter_groups(cfg: Config, trajs: list, points: dict):
+    """StarPO-S's filter: whole groups in or out -> (kept, why the update is
+    skipped, metrics). An empty batch, or one without a signal for the estimator,
+    is logged and skipped, never a silent zero loss."""
+    rewards = torch.tensor([t.reward for t in trajs])
+    rewards = rewards.view(cfg.groups, cfg.rollouts)  # [G, N]
+    keep, fs = points["filter"](rewards, cfg)
+    logged = ["in_group_std", "in_group_std_max", "chosen_in_group_std",
+              "filter_kept", "zero_std_groups"]
+    m = {f"rollout/{k}": fs[k] for k in logged}
     kept = [t for t in trajs if keep[t.group_id]]
-    zero = fs["all_zero_std"] and cfg.algo != "ppo"
-    if zero and cfg.algo == "gigpo":  # beyond the paper: turns from one state may still differ
-        from extras.gigpo import has_signal
-        zero = not has_signal(kept, cfg)
     empty = fs["empty_selection"]
-    m.update({"train/skipped_zero_std": float(zero), "train/skipped_empty_filter": float(empty)})
-    skip = "the filter kept no group" if empty else "no group has a reward spread" if zero else None
+    est = points["estimator"]
+    no_signal = fs["all_zero_std"] and not has_signal(est, kept, cfg)
+    m["train/skipped_zero_std"] = float(no_signal)
+    m["train/skipped_empty_filter"] = float(empty)
+    skip = "no group has a reward spread" if no_signal else None
+    if empty:
+        skip = "the filter kept no group"
     return kept, skip, m
 
 
 @torch.no_grad()
-def prepare_batch(kept, cfg: Config, policy, ref, critic, pad_id: int, device, amp, on_eval: bool):
-    """The update's inputs (section 2.2, Appendix A): rows, advantages, the log-probs and values a loss needs.
-    -> (Batch, metrics). Under torchrun each rank runs its rows; every rank ends with all of them."""
-    rows = [(s, t) for t in kept for s in t.segments]  # a row per segment
-    ids, attn, mask = (x.to(device) for x in pad_segments(
-        [Segment(s.input_ids, trained_mask(s, cfg.response_mask)) for s, _ in rows], pad_id))  # [B, T] each
-    pre = shared_prefix_len([s.input_ids for s, _ in rows])  # the prompt header, run once
+def prepare_batch(kept, cfg: Config, points: dict, models: dict, pad_id: int,
+                  device, amp, on_eval: bool):
+    """The update's inputs (section 2.2, Appendix A): one row per segment, the
+    log-probs and values the losses need, the estimator's advantages ->
+    (Batch, metrics). `models`: the policy, its KL reference (None under LoRA:
+    the policy with its adapters off) and the critic (or None)."""
+    rows = [(s, t) for t in kept for s in t.segments]
+    segs = [Segment(s.input_ids, trained_mask(s, cfg.response_mask))
+            for s, _ in rows]
+    ids, attn, mask = pad_segments(segs, pad_id)  # [B, T] each
+    ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
+    pre = shared_prefix_len([s.input_ids for s in segs])  # run once
 
-    def logp(model, base_only=False):  # base_only: a LoRA policy's frozen base, its KL reference
+    def logps(model, base_only=False):  # [B, T], micro-batch by micro-batch
         def fn(i, a):
-            with adapters_off(model) if base_only else visiting(model, device):
-                return token_logprobs(model, i, a, cfg.temperature, cfg.fused, prefix_len=pre)[0].float()
-        return fn
-    # one optimizer step on fresh rollouts has ratio 1 (no old_logp pass); without a KL term the reference
-    # only feeds train/kl_to_init on eval iterations
-    one_step = len(ids) <= cfg.mini_batch and cfg.ppo_epochs == 1 and not cfg.kl_in_reward
-    run = lambda fn: dist.map_rows(fn, ids, attn, cfg.micro_batch)  # noqa: E731
+            # base_only: a LoRA policy's frozen base, its KL reference
+            on = adapters_off(model) if base_only else visiting(model, device)
+            with on:
+                logp, _ = token_logprobs(model, i, a, cfg.temperature,
+                                         cfg.fused, prefix_len=pre)
+            return logp.float()
+        return dist.map_rows(fn, ids, attn, cfg.micro_batch)
+
+    # one optimizer step on fresh rollouts has ratio 1: no old_logp pass
+    one_step = len(ids) <= cfg.mini_batch and cfg.ppo_epochs == 1
+    one_step = one_step and not cfg.kl_in_reward
+    policy, ref, critic = models["policy"], models["ref"], models["critic"]
+    old_logp = ref_logp = values = None
     with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-        old_logp = None if one_step else run(logp(policy))                                        # [B, T]
-        ref_logp = run(logp(policy, True) if ref is None else logp(ref)) if cfg.kl_coef or on_eval else None
-        values = run(lambda i, a: critic(i, a).float()) if critic is not None else None           # [B, T]
-    metrics, returns = {}, None
-    if cfg.algo != "ppo":  # GRPO: each trajectory's group-normalised reward on its sampled tokens
-        scores = grpo_advantages(torch.tensor([t.reward for t in kept]), [t.group_id for t in kept],
-                                 norm_by_std=cfg.grpo_std_norm).tolist()
-        row_adv = torch.tensor([a for t, a in zip(kept, scores) for _ in t.segments])  # [B]
-        adv = broadcast_to_tokens(row_adv.to(device), mask)  # [B, T]
-        if cfg.algo == "gigpo":  # beyond the paper (extras/gigpo.py)
-            from extras.gigpo import gigpo_token_advantages
-            adv, metrics = gigpo_token_advantages(kept, rows, mask, cfg)
-    else:  # PPO: the reward on each row's last sampled token, GAE with the critic
-        rewards = reward_on_last(torch.tensor([t.reward for _, t in rows]).to(device), mask)
-        ends = None
-        if cfg.turn_rewards or cfg.bi_level_gae:  # beyond the paper
-            from extras.turn_credit import turn_credit
-            rewards, ends = turn_credit(rows, rewards, cfg, ids.shape[1])
-        if cfg.kl_in_reward:  # StarPO with PPO as the paper ran it (RAGEN's apply_kl_penalty)
-            rewards = kl_penalized_rewards(rewards, old_logp, ref_logp, mask, cfg.kl_coef)
-            metrics["train/kl_in_reward"] = masked_mean(old_logp - ref_logp, mask).item()
-        if ends is None:
-            adv, returns = gae(rewards, values, mask, cfg.gamma, cfg.lam)
-        else:
-            from extras.turn_credit import bi_level_gae
-            adv, returns = bi_level_gae(rewards, values, mask, ends, cfg.gamma, cfg.lam, cfg.high_level_gamma)
-        adv = whiten(adv, mask)  # over the global batch: every rank holds all of it
-    return Batch(input_ids=ids, attention_mask=attn, loss_mask=mask, advantages=adv, old_logp=old_logp,
-                 ref_logp=ref_logp, returns=returns, old_values=values, prefix_len=pre,
-                 rollout_logp=pad_logps([s for s, _ in rows], ids.shape[1]).to(device)), metrics
+        if not one_step:
+            old_logp = logps(policy)  # [B, T]
+        # without a KL term the reference only feeds train/kl_to_init on evals
+        if cfg.kl_coef or on_eval:
+            if ref is None:
+                ref_logp = logps(policy, base_only=True)  # [B, T]
+            else:
+                ref_logp = logps(ref)
+        if critic is not None:
+            values = dist.map_rows(critic, ids, attn, cfg.micro_batch)
+            values = values.float()  # [B, T]
+    sampled = pad_logps([s for s, _ in rows], ids.shape[1]).to(device)
+    batch = Batch(input_ids=ids, attention_mask=attn, loss_mask=mask,
+                  advantages=None, old_logp=old_logp, ref_logp=ref_logp,
+                  old_values=values, prefix_len=pre, rollout_logp=sampled)
+    adv, returns, metrics = points["estimator"](kept, rows, batch, cfg)
+    batch.advantages, batch.returns = adv, returns
+    return batch, metrics
 
 
-def finite(policy) -> bool:  # one host sync, after a phase that stepped an optimizer
-    return bool(torch.stack([torch.isfinite(p).all() for p in policy.parameters()]).all())
+def finite(policy) -> bool:  # one host sync, after a phase that stepped
+    ok = [torch.isfinite(p).all() for p in policy.parameters()]
+    return bool(torch.stack(ok).all())
 
 
-def evaluates(cfg: Config, it: int) -> bool:  # every eval_every iterations, and the last one
-    return bool(cfg.eval_every and (it + 1) % cfg.eval_every == 0) or it + 1 == cfg.steps
+def evaluates(cfg: Config, it: int) -> bool:  # every eval_every, and the last
+    if it + 1 == cfg.steps:
+        return True
+    return bool(cfg.eval_every) and (it + 1) % cfg.eval_every == 0
 
 
 # ---- main
 
-def setup(argv):
-    """Every input checked before anything is written, then the run started (engine/run.py)."""
-    try:
-        cfg, explicit = cli.parse(Config, argv, description=__doc__.split("\n")[0], presets=PRESETS)
-        resumable = {"steps", "device", "threads", "memory_cap"}  # the flags a resumed run may change
-        cfg = derive(resume_config(Config, cfg, explicit, resumable, dropped=("groups_kept", "hindsight"))
-                     if cfg.resume else inherit_rendering(cfg, explicit, ROLLOUT_KEYS), explicit)
-        out = Path(cfg.out) if cfg.resume else cli.run_folder(cfg.out, "--out", cfg.overwrite, resumable=True)
-        return (cfg, out, *start_run(cfg, out, describe))
-    except ValueError as e:
-        cli.fail(str(e))
-
-
 def main(argv=None):
-    cfg, out, device, policy, tok, critic, ref, env_kw, start, opts, monitor, metrics_path = setup(argv)
-    amp, ucfg = autocast_dtype(device), UpdateConfig.of(cfg)
-    train_rcfg, eval_rcfg = (RolloutConfig.of(cfg, t) for t in (cfg.temperature, cfg.eval_temperature))
-    # DDP (torchrun) wraps TokenLogprobs, what update() calls, not the HF model
-    train_policy, train_critic = dist.ddp(TokenLogprobs(policy), device), dist.ddp(critic, device)
+    # ---- 1. the config: every input checked before anything is written
+    with cli.one_line_errors():
+        cfg, out = configure(argv)
+        # 0, or a resumed run's latest checkpoint
+        start, state, ck = resume_point(cfg, out)
+
+        # ---- 2. the setup: device, policy, critic, reference, optimizers
+        device = dist.init(pick_device(cfg.device))  # torchrun: a GPU each
+        k = f" x --online-k {cfg.online_k}" if cfg.online_k > 1 else ""
+        dist.check_groups(cfg.groups, f"--prompts {cfg.prompts}{k}")
+        setup_device(device, cfg.threads, cfg.memory_cap)
+        amp = autocast_dtype(device)  # bf16 autocast on CUDA
+        with dist.main_first():  # rank 0 downloads, the others read
+            policy, tok, path = load_policy(cfg.model, device)
+        check_budgets(policy, cfg.max_new_tokens, cfg.lora_rank)
+        env_kw = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
+        ENVS[cfg.env](**env_kw)  # a bad env option fails now
+        # PPO's critic (Appendix A): the policy's backbone, a value head
+        critic = None
+        if estimator(cfg.algo).needs_critic:
+            critic = Critic(*load_critic(path, device))
+        # the KL reference: the initial policy, frozen. Under LoRA, the
+        # policy with its adapters off (the base never trains): no copy
+        # (verl's ref_in_actor)
+        ref = None
+        if not cfg.lora_rank:
+            ref = copy.deepcopy(policy).eval().requires_grad_(False)
+            if not cfg.kl_coef:  # only measured on evals: in CPU memory
+                ref.to("cpu")
+        backbone = critic.backbone if critic is not None else None
+        apply_levers([policy, backbone], cfg.lora_rank, cfg.lora_alpha,
+                     cfg.grad_checkpoint, cfg.seed)
+        # AdamW (verl's weight decay), on what trains: all, or LoRA's
+        trained = [p for p in policy.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(trained, lr=cfg.lr,
+                                weight_decay=cfg.weight_decay)
+        critic_opt = None
+        if critic is not None:
+            trained = [p for p in critic.parameters() if p.requires_grad]
+            critic_opt = torch.optim.AdamW(trained, lr=cfg.critic_lr,
+                                           weight_decay=cfg.weight_decay)
+        optimizers = {"opt": opt, "critic_opt": critic_opt}
+        monitor = EchoMonitor()  # the Echo Trap's signals (section 4.1)
+        if ck is not None:  # a resumed run: its weights
+            restore_models(ck, state, policy, critic, cfg.lora_rank > 0,
+                           f"--resume {cfg.out}")
+
+        # ---- 3. the update's objects, the extension points
+        ucfg = UpdateConfig.of(cfg)
+        train_rcfg = RolloutConfig.of(cfg, cfg.temperature)
+        eval_rcfg = RolloutConfig.of(cfg, cfg.eval_temperature)
+        # DDP (torchrun) wraps what update() calls, not the HF model
+        scorer = TokenLogprobs(policy, token_logprobs)
+        train_policy = dist.ddp(scorer, device)
+        train_critic = dist.ddp(critic, device)
+        models = {"policy": policy, "ref": ref, "critic": critic}
+        run = dict(policy=policy, train_policy=train_policy, tok=tok,
+                   rcfg=train_rcfg, env_kw=env_kw, amp=amp, ucfg=ucfg,
+                   optimizers=optimizers,
+                   seed=functools.partial(seed_of, cfg))
+        points = extension_points(cfg, run)
+        kept_metrics = []
+        if ck is not None:  # its optimizers (an option's too), monitor, log
+            restore_optimizers(state, optimizers)
+            monitor = EchoMonitor(**state["monitor"])
+            if dist.is_main():
+                path = out / "metrics.jsonl"
+                kept_metrics = read_metrics(path, start)
+
+    # ---- 4. the run folder: the first line, config.json, metrics (rank 0)
+    metrics_path = out / "metrics.jsonl"
+    if dist.is_main():
+        print(describe(cfg, device))
+        fresh = cfg.overwrite and not cfg.resume
+        metrics_path = open_run(out, asdict(cfg), start, kept_metrics,
+                                fresh, ck)
+
+    # ---- 5. the loop
     from tqdm import tqdm
-    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, desc=describe(cfg, "").split(":")[0],
-               dynamic_ncols=True, disable=not dist.is_main())
-    stop, saved_at, it, empty_run = None, start, start, 0
+    bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps,
+               desc=describe(cfg, "").split(":")[0], dynamic_ncols=True,
+               disable=not dist.is_main())
+    stop, saved_at, it = None, start, start
     try:
         for it in bar:
-            t0, m, diverged = time.time(), {"step": it + 1}, None
-            # 1. rollouts: P prompts x N rollouts (x online_k), in groups that share a room
-            trajs = iteration_rollouts(cfg, it, policy, tok, train_rcfg, env_kw, device)
-            s = summarize(trajs)
-            m.update({f"rollout/{'reward_mean' if k == 'reward' else k}": v for k, v in s.items()
-                      if k not in ("success_lo", "success_hi", "episodes")})
-            m.update({"rollout/reward_std": torch.tensor([t.reward for t in trajs]).std().item(),
-                      "time/rollout": time.time() - t0})
-            if cfg.collapse_every and it % cfg.collapse_every == 0 and dist.is_main():  # RAGEN-2
-                from extras.collapse import measure_collapse
-                m.update(measure_collapse(policy, tok, trajs, cfg.collapse_samples, seed_of(cfg, it), amp,
-                                          cfg.temperature))
+            t0 = time.time()
+            m = {"step": it + 1}
+            diverged = None
+
+            # 1. rollouts: P prompts x N rollouts (x online_k), in groups
+            trajs = iteration_rollouts(cfg, it, policy, tok, train_rcfg,
+                                       env_kw, device)
+            m.update(rollout_metrics(trajs))
+            m["time/rollout"] = time.time() - t0
+            for hook in points["after_rollout"]:
+                stop = hook(it, trajs, m) or stop
+
             # 2. StarPO-S's filter
-            kept, skip, fm = filter_groups(cfg, trajs)
+            kept, skip, fm = filter_groups(cfg, trajs, points)
             m.update(fm)
-            empty_run = empty_run + 1 if fm["train/skipped_empty_filter"] else 0
             if skip and dist.is_main():
                 tqdm.write(f"[iter {it + 1}] {skip}: update skipped (logged)")
+
             if not skip:
-                # 3. the batch: advantages, log-probs (no grad)
+                # 3. the batch: log-probs, values, advantages (no grad)
                 t1 = time.time()
-                batch, pm = prepare_batch(kept, cfg, policy, ref, critic, tok.pad_token_id, device, amp,
+                batch, pm = prepare_batch(kept, cfg, points, models,
+                                          tok.pad_token_id, device, amp,
                                           on_eval=evaluates(cfg, it))
-                m.update({**pm, "time/prep": time.time() - t1})
-                # 4. update: ppo_epochs passes, the same mini-batches on every rank
+                m.update(pm)
+                m["time/prep"] = time.time() - t1
+
+                # 4. update: ppo_epochs passes, the same on every rank
                 t2 = time.time()
-                for model in (policy, critic) if critic is not None else (policy,):
-                    model.train()
-                passes = [update(train_policy, opts["opt"], batch, ucfg, train_critic, opts["critic_opt"],
-                                 torch.Generator().manual_seed(seed_of(cfg, it, k)), amp,
-                                 (dist.rank(), dist.world_size())) for k in range(cfg.ppo_epochs)]
-                counts = ("train/optimizer_steps", "train/skipped_nonfinite")  # summed; the others averaged
-                m.update({k: (sum if k in counts else mean)([p[k] for p in passes]) for k in passes[0]})
-                m.update({"train/rows": len(batch), "time/update": time.time() - t2})
-                diverged = None if finite(policy) else "the update made the policy's weights non-finite"
-            # 4b. beyond the paper: hindsight imitation (extras/hindsight.py)
-            if cfg.hindsight_imitation and not diverged:
-                from extras.hindsight import imitation_step
-                gen = torch.Generator().manual_seed(seed_of(cfg, it, 77))
-                m.update(imitation_step(cfg, trajs, train_policy, opts["imit_opt"], ucfg, tok, train_rcfg,
-                                        env_kw, gen, amp))
-                diverged = None if finite(policy) else "the imitation made the policy's weights non-finite"
+                policy.train()
+                if critic is not None:
+                    critic.train()
+                passes = []
+                for k in range(cfg.ppo_epochs):
+                    gen = torch.Generator()
+                    gen.manual_seed(seed_of(cfg, it, k))
+                    shard = (dist.rank(), dist.world_size())
+                    passes.append(update(train_policy, opt, batch, ucfg,
+                                         train_critic, critic_opt, gen, amp,
+                                         shard))
+                m.update(merge_passes(passes))
+                m["train/rows"] = len(batch)
+                m["time/update"] = time.time() - t2
+                if not finite(policy):
+                    diverged = "the update made the weights non-finite"
+
+            # 4b. the options' hooks after the update (none in the paper)
+            if points["after_update"] and not diverged:
+                for hook in points["after_update"]:
+                    stop = hook(it, trajs, m) or stop
+                if not finite(policy):
+                    diverged = "a hook made the weights non-finite"
+
             # 5. the Echo Trap monitor, eval, log, checkpoint: rank 0
             if dist.is_main():
                 for w in watch(monitor, m):
                     tqdm.write(f"[iter {it + 1}] ECHO TRAP WARNING: {w}")
-                    stop = stop or (w if cfg.stop_on_collapse else None)
-                if cfg.filter_empty_stop and empty_run >= cfg.filter_empty_stop:
-                    stop = f"the filter kept no group {empty_run} iterations in a row (--filter-empty-stop)"
+                    if cfg.stop_on_collapse:
+                        stop = stop or w
                 last = it + 1 == cfg.steps or stop is not None
                 if (evaluates(cfg, it) or last) and not diverged:
+                    dumps = out / f"trajectories-{it + 1:06d}.txt"
                     try:
-                        dumps = out / f"trajectories-{it + 1:06d}.txt"
-                        m.update(eval_metrics(cfg.env, eval_rcfg, policy, tok, cfg.eval_prompts, cfg.seed,
-                                              env_kw, dumps, cfg.dump_trajectories))
-                    except FloatingPointError as e:  # this iteration's line is still written below
+                        m.update(eval_metrics(
+                            cfg.env, eval_rcfg, policy, tok, cfg.eval_prompts,
+                            cfg.seed, env_kw, dumps, cfg.dump_trajectories))
+                    except FloatingPointError as e:  # the line is still written
                         diverged = str(e)
-                m.update({**memory_metrics(device), "time/iteration": time.time() - t0})
+                m.update(memory_metrics(device))
+                m["time/iteration"] = time.time() - t0
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(m) + "\n")
-                if cfg.save_every and ((it + 1) % cfg.save_every == 0 or last) and not diverged:
-                    states = {k: o.state_dict() for k, o in opts.items() if o is not None}
-                    save_checkpoint(out, it + 1, tok, {"policy": policy, "critic": critic},
-                                    {**states, "monitor": asdict(monitor)}, config=asdict(cfg))
+                every = cfg.save_every
+                saves = every and ((it + 1) % every == 0 or last)
+                if saves and not diverged:
+                    state = {**optimizers, "monitor": asdict(monitor)}
+                    nets = {"policy": policy, "critic": critic}
+                    save_checkpoint(out, it + 1, tok, nets, state, asdict(cfg))
                     saved_at = it + 1
                 tqdm.write(iteration_line(m))
+
             if diverged:
                 raise FloatingPointError(diverged)
-            if stop := dist.broadcast_object(stop):  # rank 0 decides
+            stop = dist.broadcast_object(stop)  # rank 0 decides
+            if stop:
                 if dist.is_main():
                     tqdm.write(f"stopping: {stop}")
                 break
     except FloatingPointError as e:  # a diverged policy can no longer sample
-        ck = f"{out}/ckpt-{saved_at:06d}" if saved_at else "none"
-        cli.fail(f"iteration {it + 1}: {e} (--lr {cfg.lr} is too high?); the metrics so far are in "
-                 f"{metrics_path}, the last checkpoint: {ck}", code=1)
+        last = f"{out}/ckpt-{saved_at:06d}" if saved_at else "none"
+        cli.fail(f"iteration {it + 1}: {e} (--lr {cfg.lr} is too high?); the metrics "
+                 f"so far are in {metrics_path}, the last checkpoint: {last}", code=1)
     except KeyboardInterrupt:
         bar.close()
         where = f"iteration {saved_at}" if saved_at else "none yet"
-        raise KeyboardInterrupt(f"at iteration {it + 1} (last checkpoint: {where}); continue with: python "
-                                f"train.py --resume {out}") from None
+        raise KeyboardInterrupt(
+            f"at iteration {it + 1} (last checkpoint: {where}); continue "
+            f"with: python train.py --resume {out}") from None
     bar.close()
-    del train_policy, train_critic  # they hold the process group, which finish_run() frees
+    # these hold the process group, which finish_run() frees
+    del train_policy, train_critic, run, points
     return finish_run(cfg, out, policy, tok, critic)
 
 

@@ -23,10 +23,12 @@ from engine.lora import adapter_state, plain_state_dict
 def save_checkpoint(out: Path, step: int, tok, models: dict, state: dict, config: dict | None = None) -> None:
     """Write ckpt-STEP/ (each of `models` as a plain model folder, the tokenizer and the run's `config` as
     train_config.json beside the policy, so that eval.py and --model read it as a policy folder; `state` in
-    state.pt with the adapters of every LoRA model), then point `latest` at it; keep the newest two."""
+    state.pt with the adapters of every LoRA model; a value with a state_dict(), an optimizer or a scheduler,
+    as its state_dict, None left out), then point `latest` at it; keep the newest two."""
     final, tmp = out / f"ckpt-{step:06d}", out / f".tmp-ckpt-{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
-    state = {"step": step, **state}
+    state = {"step": step, **{k: v.state_dict() if hasattr(v, "state_dict") else v
+                              for k, v in state.items() if v is not None}}
     for name, model in models.items():
         if model is None:
             continue
@@ -78,6 +80,25 @@ def read_checkpoint(out: Path, device, flag: str = "--resume"):
         raise ValueError(f"{flag} {out}: cannot read {ck / 'state.pt'} ({type(e).__name__}: {first}){hint}") \
             from None
     return step, state, ck
+
+
+def resume_point(cfg, out: Path, what: str = "iterations") -> tuple[int, dict | None, Path | None]:
+    """Where a run starts -> (step, state, checkpoint folder): 0 for a new run or a resumed one without a
+    checkpoint yet, else its latest checkpoint's (`read_checkpoint`), which --steps must not undercut."""
+    found = read_checkpoint(out, "cpu") if cfg.resume else None
+    if found is None:
+        return 0, None, None
+    if getattr(cfg, "steps", 0) and cfg.steps < found[0]:
+        raise ValueError(f"--steps {cfg.steps}: the run already has {found[0]} {what} (give at least that)")
+    return found
+
+
+def restore_optimizers(state: dict, optimizers: dict) -> None:
+    """A resumed run's optimizer states (`state`, from its checkpoint) into `optimizers` (name -> optimizer or
+    None), saved under the same names."""
+    for name, opt in optimizers.items():
+        if opt is not None:
+            opt.load_state_dict(state[name])
 
 
 def read_metrics(path: Path, upto: int, flag: str = "--resume") -> list[str]:
@@ -135,14 +156,18 @@ def restore_models(ck: Path, state: dict, policy, critic, lora: bool, flag: str)
     if critic is not None and lora:
         critic.value_head.load_state_dict(torch.load(ck / "critic" / "value_head.pt", map_location=device))
         critic.load_state_dict(state["critic_lora"], strict=False)
-    elif critic is not None:
-        critic.load_state_dict(load_critic(str(ck / "critic"), device).state_dict())
+    elif critic is not None:  # a critic is a backbone and a value head (starpo.Critic)
+        backbone, head = load_critic(str(ck / "critic"), device)
+        critic.backbone.load_state_dict(backbone.state_dict())
+        critic.value_head.load_state_dict(head)
 
 
-def open_run(out: Path, config: dict, start: int, kept_metrics: list[str], replace: bool) -> Path:
+def open_run(out: Path, config: dict, start: int, kept_metrics: list[str], replace: bool,
+             resumed: Path | None = None, what: str = "iteration") -> Path:
     """Start writing a run folder, once every input is checked: an earlier run is cleared first (`replace`:
     --overwrite, only the files a run writes), config.json written, the metrics lines of the steps before the
-    checkpoint kept and the text dumps after it removed. -> metrics.jsonl's path."""
+    checkpoint kept and the text dumps after it removed; the config and where the run starts printed.
+    `resumed`: the checkpoint a resumed run continues from. -> metrics.jsonl's path."""
     if replace:
         cli.clear_run_folder(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -152,6 +177,13 @@ def open_run(out: Path, config: dict, start: int, kept_metrics: list[str], repla
             old.unlink()
     metrics = out / "metrics.jsonl"
     metrics.write_text("".join(line + "\n" for line in kept_metrics))
+    print("config:", json.dumps(config))
+    if resumed is not None:
+        print(f"resumed from {resumed} at {what} {start}")
+    elif config.get("resume"):
+        print(f"no checkpoint in {out} yet: starting the run afresh")
+    else:
+        print(f"writing {out}")
     return metrics
 
 

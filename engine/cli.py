@@ -9,6 +9,7 @@ line, exit code 130. RAGEN configures runs with Hydra YAML; flags are the only d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -31,10 +32,16 @@ def flag(default, help: str, choices=None, lo=None, hi=None, gt=None, lt=None, b
     return dataclasses.field(default=default, metadata=meta)
 
 
+def option(default, help: str, **bounds):
+    """A `flag` beyond the paper (`beyond=True`): its default is the paper's method."""
+    return flag(default, help, beyond=True, **bounds)
+
+
 def opt_ins(cfg) -> list[str]:
-    """The fields marked `beyond` that differ from their default: the options beyond the paper a run uses."""
+    """The fields marked `beyond` that differ from their default: the options beyond the paper a run uses. A
+    field whose default is None takes a per-model value (an option's learning rate): it names no option."""
     return [f.name for f in dataclasses.fields(cfg)
-            if f.metadata.get("beyond") and getattr(cfg, f.name) != f.default]
+            if f.metadata.get("beyond") and f.default is not None and getattr(cfg, f.name) != f.default]
 
 
 def bounds(cfg) -> list[tuple[bool, str]]:
@@ -242,6 +249,17 @@ def fail(message: str, prog: str | None = None, code: int = 2) -> typing.NoRetur
     prog = prog or Path(sys.argv[0]).name
     print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
     raise SystemExit(code)
+
+
+@contextlib.contextmanager
+def one_line_errors(prog: str | None = None):
+    """Inside the block, a ValueError (a bad input, named by its flag) ends the script with one line on
+    stderr and exit code 2 (`fail`); the entry scripts check and load everything inside one, before the
+    run writes anything."""
+    try:
+        yield
+    except ValueError as e:
+        fail(str(e), prog)
 
 
 def run(main) -> None:

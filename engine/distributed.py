@@ -78,6 +78,14 @@ def main_first():
         barrier()
 
 
+def check_groups(groups: int, what: str) -> None:
+    """A ValueError unless the prompt groups (`what`: the flags that set them) split evenly over the
+    processes: a group never splits, its rollouts are normalised together."""
+    if groups % world_size():
+        raise ValueError(f"{what}: must be divisible by the number of processes ({world_size()}); a prompt "
+                         f"group never splits across processes")
+
+
 def my_range(n: int) -> range:
     """This rank's contiguous share of n items (prompt groups, batch rows): ceil(n / W) each, the last ranks
     may get fewer or none. Concatenating the shares in rank order gives 0..n-1 back (see gather_rows)."""

@@ -1,14 +1,13 @@
-"""Per-token log-probs and entropies of a causal LM: the plain path, and the fused chunked path that never
-builds the [B, T, V] logits (V = 151,936 for Qwen2.5: 1.2 GB per 2k tokens in fp32).
+"""The fused log-prob path: per-token log-probs and entropies of a causal LM without the [B, T, V] logits
+(V = 151,936 for Qwen2.5: 1.2 GB per 2k tokens in fp32). starpo.token_logprobs states the convention and
+holds the plain path; its `fused=True` calls `fused_token_logprobs` here.
 
-`token_logprobs` is what starpo.update and sft_baseline.py call. Token convention: `logp[:, t] =
-log p(input_ids[:, t] | input_ids[:, :t])` at the sampling temperature (column 0 is 0), `entropy[:, t]` the
-entropy of that same distribution. The fused path computes the LM head chunk by chunk in fp32 (also under
-bf16 autocast; HF and verl use a bf16 head) and recomputes each chunk in backward; it assumes logits =
-lm_head(last hidden state) (Qwen2/Llama/Mistral; others: `fused=False`). A prompt header shared by every row
-(`shared_prefix_len`) runs once. Tested against the plain path (values and gradients); `TokenLogprobs` is the
-module DDP wraps under torchrun. Also the right-padded [B, T] rows (`pad_segments`) and the drift between
-these log-probs and the sampler's (`add_drift`). Optional reading: speed and memory, not the method.
+The LM head runs chunk by chunk in fp32 (also under bf16 autocast; HF and verl use a bf16 head) and each
+chunk is recomputed in backward; it assumes logits = lm_head(last hidden state) (Qwen2/Llama/Mistral; others:
+`fused=False`). A prompt header shared by every row (`shared_prefix_len`) runs once. Tested against the plain
+path (values and gradients); `TokenLogprobs` is the module DDP wraps under torchrun. Also the right-padded
+[B, T] rows (`pad_segments`) and the drift between these log-probs and the sampler's (`add_drift`). Optional
+reading: speed and memory, not the method.
 """
 from __future__ import annotations
 
@@ -180,26 +179,17 @@ def cache_keyword(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.base_model.forward).parameters else "past_key_values"
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   temperature: float = 1.0, fused: bool = True, chunk_size: int = 1024, prefix_len: int = 0,
-                   positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs and entropies [B, T] (the module docstring's convention) of a Hugging Face causal
-    LM. `fused=False`, the plain path: `model(...).logits` through a log-softmax. `fused=True`:
-    `model.base_model`'s hidden states through `fused_logprobs_entropy` with the head of
-    `model.get_output_embeddings()`. `model` may also be a TokenLogprobs, or DDP around one.
+def fused_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         temperature: float = 1.0, chunk_size: int = 1024, prefix_len: int = 0,
+                         positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """starpo.token_logprobs' fused path (its convention, its arguments): `model.base_model`'s hidden states
+    through `fused_logprobs_entropy` with the head of `model.get_output_embeddings()`, never the [B, T, V]
+    logits. Values and gradients equal the plain path's (tested).
 
-    `prefix_len=P > 0` (fused only): the first P tokens are the same, unpadded, in every row
-    (`shared_prefix_len`); the backbone runs them once and the B rows run the rest on that prefix's cache, at
-    (T - P) / T of the backbone cost, with the plain path's values and gradients (tested).
-    `positions` [B, T] (0/1 or bool, best on the CPU: no device sync): the tokens the caller reads, typically
-    its loss mask; both outputs are 0 elsewhere and the fused path runs the LM head only there.
+    `prefix_len=P > 0`: the first P tokens are the same, unpadded, in every row (`shared_prefix_len`); the
+    backbone runs them once and the B rows run the rest on that prefix's cache, at (T - P) / T of the backbone
+    cost. `positions` [B, T] (0/1 or bool, best on the CPU: no device sync): the LM head runs only there.
     """
-    if isinstance(model, TokenLogprobs) or isinstance(getattr(model, "module", None), TokenLogprobs):
-        return model(input_ids, attention_mask, temperature, fused, chunk_size, prefix_len,
-                     positions)  # through DDP's forward
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        raise ValueError("token_logprobs got DistributedDataParallel(model): wrap TokenLogprobs(model) "
-                         "instead, or its gradients are never all-reduced (see TokenLogprobs)")
     B, T = input_ids.shape
     targets = input_ids[:, 1:].reshape(-1)  # [B*(T-1)]
     # [K] flat indices into the B*(T-1) predicted tokens that the caller reads (all without `positions`)
@@ -207,38 +197,28 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
         positions[:, 1:].reshape(-1).nonzero().squeeze(1).to(input_ids.device)
     if model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
         prefix_len = 0  # activation checkpointing runs without a cache (transformers turns use_cache off)
-    if fused:
-        if prefix_len > 0:  # one row runs the shared prefix; the B rows run the rest on its cache, repeated
-            # inside the autograd graph (the prefix receives the sum of the rows' gradients)
-            from transformers import DynamicCache  # explicit: given none, transformers 4.x returns a tuple
-            kw = cache_keyword(model)
-            pre = model.base_model(input_ids=input_ids[:1, :prefix_len], use_cache=True,
-                                   **{kw: DynamicCache()})
-            pre[kw].batch_repeat_interleave(B)
-            rest = model.base_model(input_ids=input_ids[:, prefix_len:], attention_mask=attention_mask,
-                                    use_cache=True, **{kw: pre[kw]}).last_hidden_state  # [B, T-P, H]
-            hidden = torch.cat([pre.last_hidden_state.expand(B, -1, -1), rest], dim=1)  # [B, T, H]
-        else:
-            hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                      use_cache=False).last_hidden_state  # [B, T, H]
-        head = model.get_output_embeddings()
-        bias = getattr(head, "bias", None)
-        h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # [B*(T-1), H] predicts tokens 1..T-1
-        if keep is None:
-            logp, entropy = fused_logprobs_entropy(h, head.weight, bias, targets, temperature, chunk_size)
-        else:  # the head on the K kept rows only, scattered back into zeros
-            lp, ent = fused_logprobs_entropy(h.index_select(0, keep), head.weight, bias,
-                                             targets.index_select(0, keep), temperature, chunk_size)  # [K]
-            logp = lp.new_zeros(h.shape[0]).index_copy(0, keep, lp)  # [B*(T-1)]
-            entropy = ent.new_zeros(h.shape[0]).index_copy(0, keep, ent)
+    if prefix_len > 0:  # one row runs the shared prefix; the B rows run the rest on its cache, repeated
+        # inside the autograd graph (the prefix receives the sum of the rows' gradients)
+        from transformers import DynamicCache  # explicit: given none, transformers 4.x returns a tuple
+        kw = cache_keyword(model)
+        pre = model.base_model(input_ids=input_ids[:1, :prefix_len], use_cache=True, **{kw: DynamicCache()})
+        pre[kw].batch_repeat_interleave(B)
+        rest = model.base_model(input_ids=input_ids[:, prefix_len:], attention_mask=attention_mask,
+                                use_cache=True, **{kw: pre[kw]}).last_hidden_state  # [B, T-P, H]
+        hidden = torch.cat([pre.last_hidden_state.expand(B, -1, -1), rest], dim=1)  # [B, T, H]
     else:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                       use_cache=False).logits  # [B, T, V]
-        logp, entropy = naive_logprobs_entropy_from_logits(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                                           targets, temperature)
-        if keep is not None:
-            sel = torch.zeros_like(logp).index_fill(0, keep, 1.0)  # [B*(T-1)]
-            logp, entropy = logp * sel, entropy * sel
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                  use_cache=False).last_hidden_state  # [B, T, H]
+    head = model.get_output_embeddings()
+    bias = getattr(head, "bias", None)
+    h = hidden[:, :-1].reshape(-1, hidden.shape[-1])  # [B*(T-1), H] predicts tokens 1..T-1
+    if keep is None:
+        logp, entropy = fused_logprobs_entropy(h, head.weight, bias, targets, temperature, chunk_size)
+    else:  # the head on the K kept rows only, scattered back into zeros
+        lp, ent = fused_logprobs_entropy(h.index_select(0, keep), head.weight, bias,
+                                         targets.index_select(0, keep), temperature, chunk_size)  # [K]
+        logp = lp.new_zeros(h.shape[0]).index_copy(0, keep, lp)  # [B*(T-1)]
+        entropy = ent.new_zeros(h.shape[0]).index_copy(0, keep, ent)
     logp = F.pad(logp.view(B, T - 1), (1, 0))  # [B, T], column 0 = 0
     entropy = F.pad(entropy.view(B, T - 1), (1, 0))
     return logp, entropy
@@ -248,17 +228,6 @@ def sorted_micro_batches(segs, micro: int):
     """Segments in length-sorted micro-batches (less padding; a summed gradient is the same): SFT's."""
     segs = sorted(segs, key=lambda s: len(s.input_ids))
     return [segs[i:i + micro] for i in range(0, len(segs), micro)]
-
-
-def masked_logprobs(policy, part, cfg, pad_id: int, device, amp):
-    """A micro-batch of segments -> log-probs, entropies, mask, [b, T] each (the LM head on the trained
-    tokens only; `cfg.fused`: the fused path)."""
-    ids, attn, mask_cpu = pad_segments(part, pad_id)
-    ids, attn, mask = ids.to(device), attn.to(device), mask_cpu.to(device)
-    pre = shared_prefix_len([s.input_ids for s in part])
-    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-        logp, ent = token_logprobs(policy, ids, attn, 1.0, cfg.fused, prefix_len=pre, positions=mask_cpu)
-    return logp, ent, mask
 
 
 def add_drift(drift: torch.Tensor, old_logp: torch.Tensor, rollout_logp: torch.Tensor,
@@ -280,16 +249,18 @@ def drift_metrics(drift: torch.Tensor, world: int = 1) -> dict:
 
 
 class TokenLogprobs(torch.nn.Module):
-    """`token_logprobs(model, ...)` as a module's forward, the thing to wrap in DistributedDataParallel.
+    """`fn(model, ...)` (starpo.token_logprobs) as a module's forward, the thing to wrap in
+    DistributedDataParallel.
 
     DDP all-reduces gradients only for work done inside its own forward. The fused path reaches past the
     model's forward (to `model.base_model` and its head), so on DDP(model).module every rank would silently
-    keep its own gradient; DDP(TokenLogprobs(model)) puts the whole path inside DDP's forward.
+    keep its own gradient; DDP(TokenLogprobs(model, fn)) puts the whole path inside DDP's forward.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, fn):
         super().__init__()
         self.model = model
+        self.fn = fn
 
-    def forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:  # token_logprobs' after `model`
-        return token_logprobs(self.model, *args, **kwargs)
+    def forward(self, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:  # fn's arguments after `model`
+        return self.fn(self.model, *args, **kwargs)

@@ -300,39 +300,29 @@ def turn_close(tokenizer) -> str:
 
 
 def load_critic(path: str, device: torch.device | str = "cpu"):
-    """PPO's critic (starpo.Critic) from the same checkpoint as the policy: its backbone (the LM head dropped)
-    and, in a critic's own checkpoint, its value head."""
+    """What PPO's critic (starpo.Critic) wraps, from the same checkpoint as the policy -> (its backbone: the
+    model without the LM head, the value head's saved state or None). A critic's own checkpoint holds its
+    head in value_head.pt; a policy's has none (the head starts at zero)."""
     from transformers import AutoModel
-
-    from starpo import Critic
     head = Path(path) / "value_head.pt"
     try:
         if path.endswith(".gguf"):  # the policy's backbone, as read from the same file
-            critic = Critic(load_gguf(path, "--model")[0].base_model)
+            backbone = load_gguf(path, "--model")[0].base_model
         else:
             local = Path(path).is_dir() or not hub_reachable()
-            critic = Critic(_from_pretrained(AutoModel, path, local_files_only=local))
-        if head.exists():
-            critic.value_head.load_state_dict(torch.load(head, map_location="cpu"))
+            backbone = _from_pretrained(AutoModel, path, local_files_only=local)
+        head_state = torch.load(head, map_location="cpu") if head.exists() else None
     except Exception as e:  # a checkpoint the user pointed at: say which file is wrong, in one line
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise ValueError(f"cannot load the critic from {path} ({type(e).__name__}: {first})") from None
-    return critic.to(device)
+    return backbone.to(device), head_state
 
 
-def load_model_and_env(cfg, device):
-    """The policy of a run (train.py, sft_baseline.py) and a check of its env, before the run writes
-    anything. -> (policy, tokenizer, its path, env overrides)."""
-    from engine import distributed as dist
-    from envs import ENVS
-    with dist.main_first():  # rank 0 builds or downloads the model into the cache, then the others load
-        policy, tok, path = load_policy(cfg.model, device)
+def check_budgets(policy, max_new_tokens: int, lora_rank: int = 0) -> None:
+    """A reply budget the model can read and a LoRA rank it can hold, before a run writes anything."""
     positions = getattr(policy.config, "max_position_embeddings", None)
-    if positions is not None and cfg.max_new_tokens >= positions:
-        raise ValueError(f"--max-new-tokens {cfg.max_new_tokens}: the model reads at most {positions} positions")
+    if positions is not None and max_new_tokens >= positions:
+        raise ValueError(f"--max-new-tokens {max_new_tokens}: the model reads at most {positions} positions")
     hidden = getattr(policy.config, "hidden_size", None)
-    if cfg.lora_rank and hidden and cfg.lora_rank > hidden:
-        raise ValueError(f"--lora-rank {cfg.lora_rank}: must be <= the model's hidden size {hidden} (0 = off)")
-    env_overrides = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}
-    ENVS[cfg.env](**env_overrides)
-    return policy, tok, path, env_overrides
+    if lora_rank and hidden and lora_rank > hidden:
+        raise ValueError(f"--lora-rank {lora_rank}: must be <= the model's hidden size {hidden} (0 = off)")

@@ -1,29 +1,24 @@
-"""What the entry scripts print: a training run's first line and one line per iteration (train.py), one line
-per SFT step (sft_baseline.py), eval.py's line per env and its markdown table, a trajectory as text.
-Formatting only: nothing here computes a number the scripts log.
+"""What the entry scripts print: one line per iteration (train.py), one line per SFT step (sft_baseline.py),
+eval.py's line per env and its markdown table, a trajectory as text. Formatting only: nothing here computes a
+number the scripts log. (A training run's first line, which names the method, is train.describe.)
 """
 from __future__ import annotations
 
-from engine import cli
 
-
-def describe(cfg, device) -> str:
-    """train.py's first printed line: the method (StarPO-S: the paper's three changes; StarPO: none)."""
-    extra, modified = "", False
-    if cli.opt_ins(cfg) or cfg.algo == "gigpo":
-        from extras.options import describe as beyond
-        extra, modified = beyond(cfg)
-    changes = (cfg.filter < 1, cfg.kl_coef == 0, cfg.clip_high > cfg.clip_low)
-    name = "StarPO-S" if all(changes) else "StarPO" if not any(changes) else "StarPO (modified)"
-    name += " (modified)" if modified and not name.endswith(")") else ""
-    kl = f"KL {cfg.kl_coef:g} (in the {'rewards' if cfg.kl_in_reward else 'loss'})" if cfg.kl_coef else \
-        "no KL"
-    kept = "all" if cfg.filter >= 1 else f"{'bottom' if cfg.filter_smallest else 'top'} {cfg.filter:.0%} of"
-    kept = kept if cfg.filter_strategy == "top_k" else f"{cfg.filter_strategy} {cfg.filter:g} of"
-    by = cfg.filter_metric.replace("_", " ")
-    return (f"{name}: {cfg.algo.upper()}, {kept} {cfg.groups} groups by {by}, "
-            f"{kl}, clip {cfg.clip_low:g}/{cfg.clip_high:g}{extra} | {cfg.env} | "
-            f"{'tiny policy' if cfg.model == 'tiny' else cfg.model} | {device}")
+def run_line(name: str, cfg, extra: str, device) -> str:
+    """train.py's first printed line: the method's `name` (train.describe), what it filters, its KL and clip,
+    the options beyond the paper (`extra`), the env, the model, the device."""
+    kl = "no KL"
+    if cfg.kl_coef:
+        kl = f"KL {cfg.kl_coef:g} (in the {'rewards' if cfg.kl_in_reward else 'loss'})"
+    kept = f"{'bottom' if cfg.filter_smallest else 'top'} {cfg.filter:.0%} of"
+    if cfg.filter >= 1:
+        kept = "all"
+    if cfg.filter_strategy != "top_k":
+        kept = f"{cfg.filter_strategy} {cfg.filter:g} of"
+    model = "tiny policy" if cfg.model == "tiny" else cfg.model
+    return (f"{name}: {cfg.algo.upper()}, {kept} {cfg.groups} groups by {cfg.filter_metric.replace('_', ' ')}, "
+            f"{kl}, clip {cfg.clip_low:g}/{cfg.clip_high:g}{extra} | {cfg.env} | {model} | {device}")
 
 
 def iteration_line(m: dict) -> str:

@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from engine.logprobs import token_logprobs  # the training path's own log-probs
+from engine import distributed as dist
+from starpo import token_logprobs  # the training path's own log-probs
 
 
 def mi_check(mon, mi: float, mi_baseline: int = 3, mi_ratio: float = 0.5, mi_patience: int = 2,
@@ -61,7 +62,7 @@ def cross_scores(model: torch.nn.Module, prompts: list[list[int]], thoughts: lis
     """l[i, j] = mean log-prob per token of thoughts[i] after prompts[j] -> [n, N] float32 (no grad).
 
     Every (thought, prompt) pair is one right-padded row [prompt | thought]; `micro` rows run per forward,
-    through engine/logprobs.token_logprobs (its fused path runs the LM head on the thought tokens only;
+    through starpo.token_logprobs (its fused path runs the LM head on the thought tokens only;
     fused=False uses model(...).logits, for any module with that interface)."""
     n, N = len(thoughts), len(prompts)
     device = next(model.parameters()).device
@@ -172,3 +173,13 @@ def measure_collapse(model, tok, trajs: list, samples: int, seed: int, amp=None,
                                temperature=temperature)
     model.train(was_training)
     return {**{f"collapse/{k}": v for k, v in out.items()}, "time/collapse": time.time() - t0}
+
+
+def plug(cfg, points: dict, run: dict) -> None:
+    """train.py's --collapse-every K: a hook after the rollout measures iteration 1 and every K-th (rank 0,
+    before the filter, as RAGEN)."""
+    def measure(it: int, trajs: list, m: dict) -> None:
+        if it % cfg.collapse_every == 0 and dist.is_main():
+            m.update(measure_collapse(run["policy"], run["tok"], trajs, cfg.collapse_samples, run["seed"](it),
+                                      run["amp"], cfg.temperature))
+    points["after_rollout"].append(measure)

@@ -89,3 +89,33 @@ def select_groups_by_rule(group_rewards: torch.Tensor, keep: float = 0.25, large
         chosen = _choose(score[candidates], G, keep, largest, strategy, top_p_mode, selection_eps)
         keep_mask[candidates[chosen]] = True
     return keep_mask, group_stats(std, keep_mask, score)
+
+
+# ---- train.py's --filter-* options, plugged into its loop
+
+def plug(cfg, points: dict, run: dict) -> None:
+    """The rules replace the paper's filter when a rule, a metric or the zero-group switch differs from the
+    paper's; --filter-empty-stop K adds a hook that ends the run after K empty selections in a row."""
+    if (cfg.filter_strategy, cfg.filter_metric, cfg.filter_include_zero) != ("top_k", "reward_std", True):
+        points["filter"] = rule_filter
+    if cfg.filter_empty_stop:
+        points["after_update"].append(empty_stop(cfg.filter_empty_stop))
+
+
+def rule_filter(group_rewards: torch.Tensor, cfg) -> tuple[torch.Tensor, dict]:
+    """train.py's filter point with the run's --filter-* values."""
+    return select_groups_by_rule(group_rewards, cfg.filter, not cfg.filter_smallest, cfg.filter_strategy,
+                                 cfg.filter_include_zero, cfg.filter_top_p_mode, cfg.filter_eps,
+                                 cfg.filter_metric)
+
+
+def empty_stop(patience: int):
+    """A hook after the update: a reason to stop once `patience` iterations in a row kept no group."""
+    empty_run = [0]
+
+    def hook(it: int, trajs: list, m: dict) -> str | None:
+        empty_run[0] = empty_run[0] + 1 if m["train/skipped_empty_filter"] else 0
+        if empty_run[0] >= patience:
+            return f"the filter kept no group {empty_run[0]} iterations in a row (--filter-empty-stop)"
+        return None
+    return hook

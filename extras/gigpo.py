@@ -15,7 +15,7 @@ from collections import defaultdict
 
 import torch
 
-from advantages import grpo_advantages
+from advantages import grpo_advantages, register
 
 MODES = ("mean_norm", "mean_std_norm")
 
@@ -85,7 +85,7 @@ def step_groups(group_ids, turn_states: list[list[str]]) -> dict:
 
 
 def gigpo_token_advantages(kept, rows, mask: torch.Tensor, cfg) -> tuple[torch.Tensor, dict]:
-    """train.py's `--algo gigpo` branch: kept trajectories, rows = (segment, trajectory) per batch row, mask
+    """The estimator's work: kept trajectories, rows = (segment, trajectory) per batch row, mask
     [B, T] the trained tokens. Each turn's sampled tokens (up to and including its recorded reply end,
     Segment.reply_ends) get episode_adv + w * step_adv[turn]. -> (advantages [B, T], metrics)."""
     gids = [t.group_id for t in kept]
@@ -114,8 +114,17 @@ def has_signal(kept, cfg) -> bool:
     """Whether GiGPO gives any token a non-zero advantage: with every prompt group's rewards equal, turns from
     one state may still differ in their discounted returns (a shorter path), so GRPO's zero-std skip is not
     GiGPO's."""
+    if not kept:
+        return False
     episode, step = gigpo_advantages(torch.tensor([t.reward for t in kept]), [t.group_id for t in kept],
                                      [[u.obs for u in t.turns] for t in kept],
                                      [[u.reward for u in t.turns] for t in kept], cfg.gigpo_gamma,
                                      cfg.gigpo_weight, cfg.gigpo_mode)
     return bool(episode.abs().max() > 1e-9) or any(abs(a) > 1e-9 for s in step for a in s)
+
+
+@register("gigpo", signal_without_spread=has_signal)
+def gigpo(kept, rows, batch, cfg):
+    """`--algo gigpo` (advantages.ESTIMATORS): GiGPO's token advantages, no critic."""
+    advantages, metrics = gigpo_token_advantages(kept, rows, batch.loss_mask, cfg)
+    return advantages, None, metrics

@@ -174,3 +174,17 @@ def imitation_step(cfg, trajs: list, policy, opt, ucfg: UpdateConfig, tok, rcfg:
     m = imitate(demos, cfg.hindsight_imitation, policy, opt, ucfg, tok.pad_token_id, cfg.response_mask, gen,
                 amp)
     return {**m, "time/imitation": time.time() - t0}
+
+
+def plug(cfg, points: dict, run: dict) -> None:
+    """train.py's --hindsight-imitation K: its own AdamW (a supervised step wants ~5x the RL step; checkpointed
+    with the run's optimizers), and a hook after each update that imitates this iteration's demos."""
+    trainable = [p for p in run["policy"].parameters() if p.requires_grad]
+    run["optimizers"]["imit_opt"] = torch.optim.AdamW(trainable, lr=cfg.imitation_lr, weight_decay=0.0,
+                                                      betas=(0.9, 0.95))
+
+    def imitate_after_update(it: int, trajs: list, m: dict) -> None:
+        gen = torch.Generator().manual_seed(run["seed"](it, 77))
+        m.update(imitation_step(cfg, trajs, run["train_policy"], run["optimizers"]["imit_opt"], run["ucfg"],
+                                run["tok"], run["rcfg"], run["env_kw"], gen, run["amp"]))
+    points["after_update"].append(imitate_after_update)

@@ -1,5 +1,6 @@
 """train.py's options beyond the paper: the rules their values must meet, and the words that name them in a
-run's first printed line. train.py imports this file only when a run uses one of them.
+run's first printed line. train.py imports this file only when a run uses one of them; each option's module
+plugs into the loop's named points (train.extension_points) with its `plug(cfg, points, run)`.
 
 Each option is opt-in (its default is the paper's method) and lives in its own file here: RAGEN HEAD's
 filter rules (filter_rules.py), turn rewards and bi-level GAE (turn_credit.py), RAGEN-2's template-collapse
@@ -9,9 +10,25 @@ that is an error too.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import fields
 
+from engine import cli
 from envs import ENVS
+
+PLUGS = {  # an option (a Config field of train.py) -> the module here that plugs it into the loop
+    "filter_strategy": "extras.filter_rules", "filter_metric": "extras.filter_rules",
+    "filter_include_zero": "extras.filter_rules", "filter_empty_stop": "extras.filter_rules",
+    "turn_rewards": "extras.turn_credit", "bi_level_gae": "extras.turn_credit",
+    "collapse_every": "extras.collapse", "hindsight_imitation": "extras.hindsight"}
+
+
+def plug(cfg, points: dict, run: dict) -> None:
+    """train.extension_points: each module of an option the run uses (once, in Config's order) calls its
+    `plug(cfg, points, run)`, which replaces a point (the filter, the estimator) or adds a hook."""
+    modules = [PLUGS[name] for name in cli.opt_ins(cfg) if name in PLUGS]
+    for module in dict.fromkeys(modules):
+        importlib.import_module(module).plug(cfg, points, run)
 
 
 def changed(cfg, name: str) -> bool:
@@ -19,8 +36,8 @@ def changed(cfg, name: str) -> bool:
     return getattr(cfg, name) != next(f.default for f in fields(cfg) if f.name == name)
 
 
-def rules(cfg) -> list[tuple[bool, str]]:
-    """(ok, the error line) of every rule of the options beyond the paper."""
+def rules(cfg, explicit: set[str] = frozenset()) -> list[tuple[bool, str]]:
+    """(ok, the error line) of every rule of the options beyond the paper (`explicit`: the flags typed)."""
     from extras.hindsight import supported
     sokobans = ", ".join(sorted(n for n in ENVS if supported(n)))
     companions = [("high_level_gamma", "--bi-level-gae", cfg.bi_level_gae),
@@ -33,6 +50,9 @@ def rules(cfg) -> list[tuple[bool, str]]:
     return [(switch or not changed(cfg, name), f"--{name.replace('_', '-')} {getattr(cfg, name)}: only with "
                                                f"{needs} (it changes nothing without)")
             for name, needs, switch in companions] + [
+        ("imitation_lr" not in explicit or cfg.hindsight_imitation > 0,
+         f"--imitation-lr {cfg.imitation_lr}: only with --hindsight-imitation K (K >= 1) (it changes nothing "
+         f"without)"),
         (not cfg.hindsight_imitation or supported(cfg.env),
          f"--hindsight-imitation {cfg.hindsight_imitation}: "
          f"only for {sokobans} (this run: --env {cfg.env}; 0 turns it off)"),
@@ -76,4 +96,4 @@ def describe(cfg) -> tuple[str, bool]:
         parts.append(f"{', '.join(later)} (RAGEN's later code)")
     if cfg.collapse_every:
         parts.append(f"collapse metrics every {cfg.collapse_every} (RAGEN-2, measured only)")
-    return "".join(f" + {p}" for p in parts), bool(later) or cfg.algo == "gigpo"
+    return "".join(f" + {p}" for p in parts), bool(later) or cfg.algo == "gigpo" or cfg.hindsight_imitation > 0

@@ -14,6 +14,10 @@ from __future__ import annotations
 
 import torch
 
+from advantages import gae, kl_penalized_rewards, place_reward_on_last_token, register, whiten
+from starpo import masked_mean
+
+
 def at_positions(values: list[list[float]], positions: list[list[int]], T: int) -> torch.Tensor:
     """[B, T] zeros with values[b][k] at column positions[b][k]: each turn's reward (or a 1) on its last reply
     token, at the positions the rollout recorded (Segment.reply_ends)."""
@@ -95,3 +99,28 @@ def turn_credit(rows: list, rewards: torch.Tensor, cfg, T: int) -> tuple[torch.T
     if not cfg.bi_level_gae:
         return rewards, None
     return rewards, at_positions([[1.0] * len(e) for e in ends], ends, T).to(rewards.device) > 0
+
+
+# ---- train.py's --turn-rewards / --bi-level-gae, plugged into its loop
+
+def plug(cfg, points: dict, run: dict) -> None:
+    """PPO's estimator with turn credit replaces advantages.ppo (the options' rules: PPO only)."""
+    points["estimator"] = ppo_turn_credit
+
+
+@register(None, needs_critic=True, signal_without_spread=True)  # PPO's: the critic learns from any batch
+def ppo_turn_credit(kept, rows, batch, cfg):
+    """advantages.ppo with `turn_credit`'s token rewards and, with --bi-level-gae, `bi_level_gae`."""
+    mask = batch.loss_mask
+    rewards = place_reward_on_last_token(torch.tensor([t.reward for _, t in rows]).to(mask.device), mask)
+    rewards, ends = turn_credit(rows, rewards, cfg, mask.shape[1])
+    metrics = {}
+    if cfg.kl_in_reward:  # StarPO with PPO as the paper ran it (RAGEN's apply_kl_penalty)
+        rewards = kl_penalized_rewards(rewards, batch.old_logp, batch.ref_logp, mask, cfg.kl_coef)
+        metrics["train/kl_in_reward"] = masked_mean(batch.old_logp - batch.ref_logp, mask).item()
+    if ends is None:
+        advantages, returns = gae(rewards, batch.old_values, mask, cfg.gamma, cfg.lam)
+    else:
+        advantages, returns = bi_level_gae(rewards, batch.old_values, mask, ends, cfg.gamma, cfg.lam,
+                                           cfg.high_level_gamma)
+    return whiten(advantages, mask), returns, metrics

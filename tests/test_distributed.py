@@ -78,7 +78,7 @@ def tiny_models(seed: int):
 
 def fixed_batch(policy, B=7, T=14):
     """Rows of different lengths and sampled-token counts; old/ref log-probs off the current policy (ratios != 1)."""
-    from engine.logprobs import token_logprobs
+    from starpo import token_logprobs
     from starpo import Batch
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(4, 40, (B, T), generator=g)
@@ -124,10 +124,10 @@ def check_update(results, name, ucfg_kw, with_critic):
     biases, whose exact gradient is 0: softmax ignores a shift shared by all keys) differ by up to a few 1e-4 of
     the step; its bound is looser."""
     from engine.logprobs import TokenLogprobs
-    from engine.run import make_optimizer
-    from starpo import UpdateConfig, update
+    from starpo import UpdateConfig, token_logprobs, update
+    adamw = lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.01)  # noqa: E731, train.py's
     for opt_name, make_opt, rel_tol in (("sgd", lambda m: torch.optim.SGD(m.parameters(), lr=0.1), 1e-5),
-                                        ("adamw", lambda m: make_optimizer(m, 1e-3), 1e-2)):
+                                        ("adamw", adamw, 1e-2)):
         policy, critic = tiny_models(seed=0)
         batch = fixed_batch(policy)
         ucfg = UpdateConfig(**ucfg_kw, max_grad_norm=1e6 if opt_name == "sgd" else 1.0)
@@ -137,7 +137,7 @@ def check_update(results, name, ucfg_kw, with_critic):
         single = update(single_pol, make_opt(single_pol), batch, ucfg, generator=torch.Generator().manual_seed(1),
                         **kw(single_crit))
         device = torch.device("cpu")
-        ddp_pol, ddp_crit = dist.ddp(TokenLogprobs(policy), device), dist.ddp(critic, device)
+        ddp_pol, ddp_crit = dist.ddp(TokenLogprobs(policy, token_logprobs), device), dist.ddp(critic, device)
         multi = update(ddp_pol, make_opt(policy), batch, ucfg, generator=torch.Generator().manual_seed(1),
                        shard=(dist.rank(), dist.world_size()), **kw(ddp_crit))
         dist.assert_in_sync(policy, critic)  # bitwise equal on both ranks
@@ -185,7 +185,7 @@ def worker(rank: int, port: int, out: str):
             next(policy.parameters())[0, 0] += rank
         with pytest.raises(RuntimeError, match="weights differ"):
             dist.assert_in_sync(policy)
-        from engine.logprobs import token_logprobs
+        from starpo import token_logprobs
         ids = torch.ones(1, 4, dtype=torch.long)
         with pytest.raises(ValueError, match="TokenLogprobs"):
             token_logprobs(dist.ddp(policy, torch.device("cpu")), ids, ids)
@@ -229,6 +229,7 @@ def rows(path):
 
 def test_torchrun_train_same_weights_on_both_ranks_and_resume(bandit_tiny, tmp_path):
     from engine.models import load_critic, load_policy
+    from starpo import Critic
     # PPO (a DDP critic too), a 1-turn window (several rows per trajectory, uneven shares), mini-batches of 5
     # --device cpu: gloo, as the file says; on a one-GPU machine two NCCL ranks would share (and fail on) cuda:0
     common = ["--env", "bandit", "--no-think", "--model", bandit_tiny, "--device", "cpu",
@@ -245,7 +246,7 @@ def test_torchrun_train_same_weights_on_both_ranks_and_resume(bandit_tiny, tmp_p
     assert line, p.stdout[-2000:]
     # the digest both ranks agreed on is the digest of what rank 0 saved
     saved = dist.weights_digest(load_policy(str(a / "final"))[0],
-                                load_critic(str(a / "ckpt-000003" / "critic")))
+                                Critic(*load_critic(str(a / "ckpt-000003" / "critic"))))
     assert line[0].endswith(f"(sha256 {saved})")
 
     # resume from the iteration-2 checkpoint, under torchrun: iteration 3 comes out the same

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from extras import hindsight as H  # noqa: E402
 from engine import models as policy  # noqa: E402
 import rollout as R  # noqa: E402
-from engine.agents import expert_agent, random_agent  # noqa: E402
+from eval import expert_agent, random_agent  # noqa: E402
 from engine.logprobs import pad_segments  # noqa: E402
 import envs  # noqa: E402
 from envs import make_env  # noqa: E402

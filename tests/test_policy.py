@@ -124,7 +124,8 @@ def test_load_policy_errors(tmp_path, monkeypatch):
 
 def test_critic_shape_alignment_and_round_trip(small, small_path, tmp_path):
     (model, tok), path = small, small_path
-    critic = policy.load_critic(path)
+    from starpo import Critic
+    critic = Critic(*policy.load_critic(path))
     # the backbone is a separate copy of the policy's: same weights, different tensors
     pol = dict(model.base_model.named_parameters())
     for name, p in critic.backbone.named_parameters():
@@ -149,7 +150,7 @@ def test_critic_shape_alignment_and_round_trip(small, small_path, tmp_path):
     torch.testing.assert_close(values[1:2, :6], alone, rtol=1e-5, atol=1e-5)
     # round trip: save_pretrained + load_critic gives the same values
     critic.save_pretrained(str(tmp_path))
-    again = policy.load_critic(str(tmp_path))
+    again = Critic(*policy.load_critic(str(tmp_path)))
     torch.testing.assert_close(again(ids, attn), values)
     # the critic trains: a gradient reaches the head and the backbone
     values[attn.bool()].sum().backward()

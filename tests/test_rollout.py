@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rollout as R  # noqa: E402
-from engine.agents import expert_agent, random_agent  # noqa: E402
+from eval import expert_agent, random_agent  # noqa: E402
 from engine.report import dump  # noqa: E402
 from envs import ENVS, make_env  # noqa: E402
 

@@ -296,7 +296,7 @@ def test_one_engine_serves_every_rollout_as_a_fresh_one_would(small):
 def test_the_samplers_log_probs_are_the_models(small):
     """Each sampled token's log-prob, as the engine and the reference path record it (Segment.logp), is the
     model's own at the sampling temperature (the train-inference mismatch is ~0 in fp32 on a CPU)."""
-    from engine.logprobs import token_logprobs
+    from starpo import token_logprobs
     model, tok = small
     for kv in (True, False):
         cfg = R.RolloutConfig(max_new_tokens=16, temperature=0.7, kv_cache=kv, max_turns=2)

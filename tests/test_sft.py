@@ -19,12 +19,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import eval as eval_py  # noqa: E402
 from engine import lora  # noqa: E402
-from engine.run import make_optimizer  # noqa: E402
 from engine import models as policy  # noqa: E402
 from tools import prior  # noqa: E402
 import sft_baseline as sft  # noqa: E402
 from envs import EVAL_SEEDS, make_env  # noqa: E402
-from engine.agents import expert_agent  # noqa: E402
+from eval import expert_agent  # noqa: E402
 from rollout import (RolloutConfig, header_text, prefill, rollout, turn_close,  # noqa: E402
                      window_messages)
 
@@ -65,7 +64,7 @@ def test_only_lora_parameters_get_gradients():
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    opt = make_optimizer(model, 1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     assert sum(len(g["params"]) for g in opt.param_groups) == len(trainable)
     ids = torch.randint(0, 48, (2, 9), generator=torch.Generator().manual_seed(2))
     for _ in range(2):  # step 1 moves only B (A's gradient is 0 while B = 0), step 2 both
@@ -311,8 +310,7 @@ def test_smoke_run_exports_the_lowest_test_loss_and_eval_loads_it(tiny_path, tmp
     model, tok, _ = policy.load_policy(str(final), "cpu")
     saved = json.loads((final / "train_config.json").read_text())
     cfg = sft.Config(**saved)
-    from engine.run import rollout_config_for
-    rcfg = rollout_config_for(str(final), eval_py.Config(temperature=0.5), "sokoban")
+    rcfg = eval_py.rollout_config_for(str(final), eval_py.Config(temperature=0.5), "sokoban")
     assert rcfg.context_turns == 1
     _, test_seeds = sft.data_seeds(cfg.seed, cfg.train_trajectories, cfg.test_trajectories)
     segs = [s for t in sft.expert_trajectories("sokoban", test_seeds, rcfg, tok, cfg.expert_actions)

@@ -15,7 +15,8 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import starpo  # noqa: E402
 from engine import logprobs  # noqa: E402
-from engine.logprobs import fused_logprobs_entropy, naive_logprobs_entropy, token_logprobs  # noqa: E402
+from engine.logprobs import fused_logprobs_entropy, naive_logprobs_entropy  # noqa: E402
+from starpo import token_logprobs  # noqa: E402
 from starpo import Batch, UpdateConfig, aggregate, kl_penalty, policy_loss, update, value_loss  # noqa: E402
 
 torch.set_num_threads(1)

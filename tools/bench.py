@@ -330,9 +330,10 @@ def _rollout_one(args, model, tok, label: str, single: bool) -> dict:
 
 def bench_prefix(args) -> dict:
     """Forward + backward of token_logprobs on one SFT batch with the shared prompt header run once vs per row."""
-    from engine.agents import expert_agent
+    from eval import expert_agent
     from rollout import RolloutConfig, rollout
-    from engine.logprobs import pad_segments, shared_prefix_len, token_logprobs
+    from engine.logprobs import pad_segments, shared_prefix_len
+    from starpo import token_logprobs
     model, tok, path = _load(args)
     model.train()
     cfg = RolloutConfig(context_turns=1)  # sft_baseline.py's tiny default: one example per turn
@@ -374,7 +375,7 @@ def bench_prior(args) -> dict:
     """The untrained policy on every env: well-formed replies, valid actions, success, vs the random agent."""
     import random
     from envs import ENVS, EVAL_SEEDS
-    from engine.agents import random_agent
+    from eval import random_agent
     from rollout import RolloutConfig, rollout
     model, tok, path = _load(args)
     seeds = EVAL_SEEDS[:args.prior_episodes]
@@ -432,7 +433,7 @@ def _random_model(args, shapes: dict, tmp):
 
     from envs import train_seeds
     from tools.prior import build_tokenizer
-    from engine.agents import random_agent
+    from eval import random_agent
     from rollout import RolloutConfig, rollout
     from transformers import Qwen2Config, Qwen2ForCausalLM
     trajs = rollout("sokoban", train_seeds(0, 16), list(range(16)), RolloutConfig(),

@@ -1,16 +1,17 @@
-"""The tiny prior: how the policy that `--model tiny` loads from `prior/` was built, and how to rebuild it.
+"""The priors a run starts from: the tiny policy in `prior/` (how it was built), and a real LM's warm start.
 
     python tools/prior.py --out prior-rebuilt        # ~3 min on one CPU thread; prints each env's format rate
-    python eval.py --env bandit --policy prior-rebuilt
+    python tools/prior.py --model models/smollm2-135m-instruct --out models/smollm2-warm   # the warm start
 
 The paper starts from Qwen2.5-0.5B-Instruct (section 3.2): a model that knows the answer format but not the
-tasks. The tiny prior plays that part on a CPU: a real Qwen2-architecture `transformers` model (~1M
-parameters) with a word-level tokenizer built from the environments' texts (each tag with its leading space
-one token), warmed up on random agents' conversations rendered as rollout.py renders them (both think modes,
-whole and windowed; the loss on the replies and, as a pre-trained LM has modelled text, on the boards and
-feedback). It is built once and shipped in `prior/` (~4 MB): a build is deterministic on one machine, but
-float rounding differs between CPUs (two machines' builds differed by 0.18 in Bandit success), so every
-machine starts from the same weights. `ensure_tiny` builds small variants for the tests and for new envs.
+tasks. The tiny prior plays that part on a CPU: a real Qwen2-architecture model (~1M parameters), a word-level
+tokenizer built from the environments' texts, warmed up on random agents' conversations rendered as rollout.py
+renders them (both think modes, whole and windowed; the loss on the replies and on the boards). Shipped in
+`prior/` (~4 MB): float rounding differs between CPUs, so every machine starts from the same weights;
+`ensure_tiny` builds small variants for the tests and for new envs. The warm start (`--model`, `warm_start`)
+teaches a pretrained instruct LM the format and the valid actions on the same conversations (LoRA, replies
+only; its thought is the random agent's fixed sentence: see WARM), saved as a plain model folder for eval.py
+and train.py; after Ctrl-C the same command continues from its checkpoint in OUT.partial.
 """
 from __future__ import annotations
 
@@ -59,6 +60,16 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 
 
+def random_agent_fn():
+    """The random agent (every eval's floor): engine.agents.random_agent, or eval.random_agent where the
+    project's refactor moved it."""
+    try:
+        from engine.agents import random_agent
+    except ImportError:
+        from eval import random_agent
+    return random_agent
+
+
 def tiny_envs() -> list[str]:
     from envs import ENVS
     return sorted(ENVS)
@@ -66,7 +77,7 @@ def tiny_envs() -> list[str]:
 
 def tiny_corpus(envs: list[str], episodes: int, seed: int):
     """Random-agent conversations (text only) for every env, think mode and history window."""
-    from engine.agents import random_agent
+    random_agent = random_agent_fn()
     from rollout import RolloutConfig, rollout
     rng = random.Random(seed)
     for env in envs:
@@ -166,7 +177,7 @@ def warm_up(tok, data, model_cfg: dict, warmup: dict, progress: bool):
     `obs_weight` x mean NLL of the other real tokens (the observations and the template)."""
     from tqdm import tqdm
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    from engine.agents import random_agent
+    random_agent = random_agent_fn()
     from rollout import RolloutConfig, rollout
     torch.manual_seed(warmup["seed"])
     cfg = Qwen2Config(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -281,28 +292,344 @@ def format_rates(path: str, prompts: int = 32) -> dict[str, float]:
     return rates
 
 
+# ----------------------------------------------------------------------------- the warm start (--model)
+
+# What the warm start teaches a pretrained instruct LM (untrained, SmolLM2-135M-Instruct answers in format
+# in 13-32% of turns and never with a valid action): the answer format and the valid actions of Bandit,
+# Sokoban and FrozenLake, nothing about winning. It imitates the random agent, so its moves are uniform among
+# the valid ones (success near the random agent's; in Bandit its name prior picks the arm) and its <think>
+# thought is the random agent's one fixed sentence, "I pick my moves at random.": the Echo Trap's template
+# metrics (extras/collapse.py) must read that single template as the starting point of a run, not as a
+# collapse.
+# The recipe measured in issue 65: LoRA r16 / alpha 32 (engine/lora.py), AdamW 5e-4, 60 steps of 3 Bandit +
+# 2 Sokoban + 2 FrozenLake segments, bf16 autocast where the CPU has native bf16.
+WARM = dict(lora_rank=16, lora_alpha=32.0, lr=5e-4, steps=60, warmup_steps=5, window_share=0.25,
+            max_new_tokens=60, save_every=5, format_prompts=16)
+# max_new_tokens: the random agent's longest reply is 25 SmolLM2 tokens (a thought and 5 actions), so 60
+# cuts a stray reply off early instead of at the hub default of 400-500 (eval.py and train.py read it from
+# the folder's train_config.json; a flag still wins). window_share: the 1-turn windows' share of the
+# segments, as the tiny prior's 1/4 (eval.py's default is the whole conversation).
+WARM_MIX = {"bandit": 3, "sokoban": 2, "frozenlake": 2}  # segments per step (Bandit: one short turn each)
+WARM_VERSION = 1  # in the checkpoint's settings: bump after a change of the recipe's code, so none resumes
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX): there a bf16 matmul runs ~7x faster than
+    fp32 (measured on a 2-core EPYC: 2.5 against 0.37 TFLOP/s); elsewhere it is emulated, slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux: no way to tell here, so fp32
+        return False
+    return re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) is not None
+
+
+def warm_dtype(name: str, device: torch.device):
+    """--dtype -> the autocast dtype, None for fp32. auto: bf16 on CUDA and on a CPU with native bf16."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" or native_bf16() else None
+    return torch.bfloat16 if name == "bf16" else None
+
+
+def warm_batch(tok, seed: int, step: int) -> list:
+    """Step `step`'s segments (rollout.Segment): WARM_MIX random-agent episodes per env, each in a random
+    think mode, as the whole conversation (3/4) or the 1-turn window of one random turn (1/4), rendered by
+    rollout.py with the model's own tokenizer. Drawn from (seed, step) alone: a resumed run draws what it
+    would have drawn."""
+    from rollout import RolloutConfig, rollout
+    random_agent = random_agent_fn()
+    rng = random.Random(f"warm start {seed} {step}")
+    segs = []
+    for env, count in WARM_MIX.items():
+        for _ in range(count):
+            window = rng.random() < WARM["window_share"]
+            cfg = RolloutConfig(think=rng.random() < 0.5, context_turns=1 if window else 0)
+            # a training seed, far from eval's (envs.EVAL_SEEDS: 123-378)
+            traj, = rollout(env, [rng.randrange(1000, 2**31)], [0], cfg, tokenizer=tok,
+                            agent=random_agent(rng), samples=[rng.randrange(16)])
+            segs.append(rng.choice(traj.segments))
+    return segs
+
+
+def reply_nll(model, seg, amp) -> torch.Tensor:
+    """Summed NLL of a segment's reply tokens (loss_mask 1: what the agent wrote; the boards, feedback and the
+    template are read, not learned). The LM head runs only on the positions that predict a reply token: with
+    SmolLM2's 49k-word head, on every position it would cost ~20% of the step for ~10% of the tokens. Llama
+    and Qwen2 scale no logits, so these are the model's own."""
+    device = next(model.parameters()).device
+    ids = torch.tensor(seg.input_ids, device=device)                          # [T]
+    wanted = torch.tensor(seg.loss_mask[1:], device=device).bool()            # [T-1]: predicts a reply token
+    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+        hidden = model.base_model(input_ids=ids[None]).last_hidden_state[0, :-1][wanted]   # [n, H]
+        logits = model.get_output_embeddings()(hidden)                                     # [n, V]
+    return nn.functional.cross_entropy(logits.float(), ids[1:][wanted], reduction="sum")
+
+
+def frozen_in(model, amp) -> list:
+    """Cast the frozen base weight of every LoRA layer to `amp` once (autocast would cast it again at every
+    forward: measured 17% of a bf16 step; the numbers are the same). -> [(layer, its fp32 weight)] for
+    `frozen_back`, so that the adapters merge into the exact fp32 weights."""
+    from engine.lora import LoRALinear
+    if amp is None:
+        return []
+    kept = []
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            kept.append((m.base, m.base.weight.data))
+            m.base.weight.data = m.base.weight.data.to(amp)
+    return kept
+
+
+def frozen_back(kept: list) -> None:
+    for layer, weight in kept:
+        layer.weight.data = weight
+
+
+def warm_settings(cfg, model_path: str, amp) -> dict:
+    """Everything the warm start's numbers depend on: a checkpoint resumes only with the same."""
+    local = Path(model_path)
+    return dict(version=WARM_VERSION, model=str(local.resolve()) if local.exists() else model_path,
+                seed=cfg.seed, steps=cfg.steps, lr=cfg.lr, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha,
+                dtype="bf16" if amp is not None else "fp32", mix=WARM_MIX,
+                window_share=WARM["window_share"], warmup_steps=WARM["warmup_steps"])
+
+
+def read_partial(partial: Path, settings: dict, out: str) -> dict | None:
+    """The checkpoint of an interrupted warm start into `out` (`partial`: OUT.partial/state.pt), or None when
+    there is none. One with other settings, or one that cannot be read, is a ValueError saying what to do."""
+    fresh = f"remove {partial} to start afresh"
+    if not partial.exists() or (partial.is_dir() and not any(partial.iterdir())):
+        return None
+    if not (partial / "state.pt").is_file():
+        raise ValueError(f"--out {out}: {partial} is not a warm start's checkpoint (no state.pt); {fresh}")
+    try:
+        state = torch.load(partial / "state.pt", map_location="cpu", weights_only=True)
+    except Exception as e:  # a damaged file: name it
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise ValueError(f"--out {out}: cannot read {partial / 'state.pt'} ({type(e).__name__}: {first}); "
+                         f"{fresh}") from None
+    saved = state.get("settings", {})
+    differ = [k for k in settings if saved.get(k) != settings[k]]
+    if differ:
+        k = differ[0]
+        raise ValueError(f"--out {out}: {partial} holds an interrupted warm start with other settings ({k}: "
+                         f"{saved.get(k)} there, {settings[k]} now); rerun its command to continue it, or "
+                         f"{fresh}")
+    return state
+
+
+def save_partial(partial: Path, step: int, model, opt, sched, losses: list, settings: dict) -> None:
+    """The adapters, the optimizer and the schedule after `step` steps, written atomically."""
+    from engine.lora import adapter_state
+    partial.mkdir(parents=True, exist_ok=True)
+    tmp = partial / "state.pt.tmp"
+    torch.save({"step": step, "settings": settings, "adapters": adapter_state(model), "losses": losses,
+                "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, tmp)
+    os.replace(tmp, partial / "state.pt")
+
+
+def warm_start(model, tok, settings: dict, amp, partial: Path, state: dict | None = None,
+               save_every: int = 5) -> list[float]:
+    """LoRA adapters on `model` (in place) trained on random agents' replies (`warm_batch`); from `state` (a
+    checkpoint, `read_partial`) if given; a checkpoint in `partial` every `save_every` steps. -> the loss of
+    every step (mean NLL per reply token). The caller merges the adapters (`save_warm`)."""
+    from engine.lora import add_lora
+    steps = settings["steps"]
+    torch.manual_seed(settings["seed"])  # the adapters' random A
+    add_lora(model, settings["lora_rank"], settings["lora_alpha"])
+    params = [p for p in model.parameters() if p.requires_grad]  # the adapters, fp32 master weights
+    opt = torch.optim.AdamW(params, lr=settings["lr"])
+    sched = torch.optim.lr_scheduler.LambdaLR(  # a short warm-up, then cosine down to 10% of the peak
+        opt, lambda s: min(1.0, (s + 1) / settings["warmup_steps"]) *
+        (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps))))
+    start, losses = 0, []
+    if state is not None:
+        model.load_state_dict(state["adapters"], strict=False)
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        start, losses = state["step"], list(state["losses"])
+    saved = start
+    kept = frozen_in(model, amp)
+    model.train()
+    t0 = time.time()
+    step = start
+    try:
+        for step in range(start, steps):
+            t1 = time.time()
+            segs = warm_batch(tok, settings["seed"], step)
+            n = sum(sum(s.loss_mask[1:]) for s in segs)  # the step's reply tokens: one mean over all of them
+            opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for seg in segs:  # one sequence at a time: no padding (lengths differ up to 5x)
+                loss = reply_nll(model, seg, amp) / n
+                loss.backward()
+                total += loss.item()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            losses.append(total)
+            if (step + 1) % save_every == 0 and step + 1 < steps:
+                save_partial(partial, step + 1, model, opt, sched, losses, settings)
+                saved = step + 1
+            left = (time.time() - t0) / (step + 1 - start) * (steps - step - 1)
+            print(f"step {step + 1}/{steps} | loss {total:.3f} | {time.time() - t1:.1f} s | "
+                  f"{left / 60:.1f} min left", flush=True)
+    except KeyboardInterrupt:
+        where = f"from step {saved} ({partial})" if saved else "afresh (no checkpoint yet)"
+        raise KeyboardInterrupt(f"at step {step + 1} of {steps}; the same command continues {where}") \
+            from None
+    frozen_back(kept)
+    model.eval()
+    return losses
+
+
+def save_warm(model, tok, out: Path, max_new_tokens: int) -> None:
+    """The warm model as a plain model folder, written atomically: the adapters merged into the fp32 weights,
+    the tokenizer with its chat template, and a train_config.json that holds only the reply budget (a
+    rollout.ROLLOUT_KEYS key: eval.py and train.py render as for any other policy)."""
+    import transformers
+    from engine.lora import merge_lora
+    merge_lora(model)
+    transformers.utils.logging.disable_progress_bar()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-warm-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        rendering = {"max_new_tokens": max_new_tokens}
+        (tmp / "train_config.json").write_text(json.dumps(rendering, indent=2) + "\n")
+        if out.is_dir():
+            out.rmdir()  # an empty folder (main refuses any other)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def warm_rates(path: str, prompts: int, seed: int, max_new_tokens: int) -> dict[str, dict]:
+    """Format, valid-action rate and success of the saved warm model on the first `prompts` eval prompts of
+    each WARM_MIX env at temperature 0.5 (eval.py's protocol; a quick check, eval.py --prompts 64 measures)
+    """
+    from engine.models import load_policy
+    from envs import EVAL_SEEDS
+    from rollout import RolloutConfig, rollout
+    model, tok, _ = load_policy(path)
+    rates = {}
+    for env in WARM_MIX:
+        trajs = rollout(env, EVAL_SEEDS[:prompts], list(range(prompts)),
+                        RolloutConfig(temperature=0.5, max_new_tokens=max_new_tokens), tokenizer=tok,
+                        model=model.eval(), generator=torch.Generator().manual_seed(seed))
+        turns = [x for t in trajs for x in t.turns]
+        actions = sum(t.num_actions for t in trajs)
+        rates[env] = {"format": round(sum(x.parsed for x in turns) / max(1, len(turns)), 3),
+                      "valid": round(sum(t.valid_actions for t in trajs) / max(1, actions), 3),
+                      "success": round(sum(t.success for t in trajs) / prompts, 3)}
+    return rates
+
+
 @dataclass
 class Config:
     out: str = cli.flag(str(PRIOR_DIR),
-                        "folder to write the prior into (never overwritten unless --overwrite)")
-    overwrite: bool = cli.flag(False, "replace the prior already in --out")
-    steps: int = cli.flag(TINY_WARMUP["steps"], "warm-up steps", lo=1)
+                        "folder to write the prior into (never overwritten unless --overwrite; with --model "
+                        "never, and required)")
+    overwrite: bool = cli.flag(False, "replace the prior already in --out (the tiny prior only)")
+    steps: int | None = cli.flag(None, f"warm-up steps (default: {TINY_WARMUP['steps']}, a warm start "
+                                       f"{WARM['steps']})", lo=1)
     episodes_per_env: int = cli.flag(TINY_WARMUP["episodes_per_env"],
-                                     "random-agent episodes per env in the corpus", lo=2)
+                                     "random-agent episodes per env in the corpus (tiny prior only)", lo=2)
     seed: int = cli.flag(TINY_WARMUP["seed"], "seed of the corpus and the initial weights", lo=0,
                          hi=cli.SEED_MAX)
-    format_prompts: int = cli.flag(32, "eval prompts per env for the format rate printed at the end", lo=1,
-                                   hi=256)
+    format_prompts: int | None = cli.flag(None, "eval prompts per env for the format rate printed at the end "
+                                                f"(default: 32, a warm start {WARM['format_prompts']})",
+                                          lo=1, hi=256)
+    # the warm start: a pretrained instruct LM learns the format and the valid actions
+    model: str | None = cli.flag(None, "a pretrained instruct LM (a folder, a .gguf file or a hub id) to "
+                                       "warm start instead of building the tiny prior")
+    lr: float | None = cli.flag(None, f"warm start: AdamW learning rate (default: {WARM['lr']:g})", gt=0)
+    lora_rank: int | None = cli.flag(None, f"warm start: LoRA rank (default: {WARM['lora_rank']})", lo=1)
+    lora_alpha: float | None = cli.flag(None, f"warm start: LoRA alpha (default: {WARM['lora_alpha']:g})",
+                                        gt=0)
+    dtype: str = cli.flag("auto", "warm start: autocast dtype, fp32 master weights; auto = bf16 on CUDA and "
+                                  "on CPUs with native bf16 (AVX512-BF16, AMX), else fp32",
+                          choices=("auto", "bf16", "fp32"))
+    threads: int | None = cli.flag(None, "warm start: CPU threads (default: all cores)", lo=1)
+    device: str = cli.flag("auto", "warm start: auto, cpu, cuda or cuda:N")
+    save_every: int | None = cli.flag(None, f"warm start: a checkpoint in OUT.partial every this many steps "
+                                            f"(default: {WARM['save_every']})", lo=1)
+
+
+TINY_ONLY = ("overwrite", "episodes_per_env")
+WARM_ONLY = ("lr", "lora_rank", "lora_alpha", "dtype", "threads", "device", "save_every")
+
+
+def check_warm(cfg, explicit: set[str]):
+    """Every input of a warm start checked and the model loaded, before anything is written.
+    -> (out, OUT.partial, model, tokenizer, autocast dtype, settings, checkpoint or None)."""
+    from engine.models import load_policy, pick_device
+    typed = [k for k in TINY_ONLY if k in explicit]
+    flag = f"--{typed[0].replace('_', '-')}" if typed else ""
+    cli.check([(not typed, f"{flag}: only for the tiny prior; a warm start draws fresh episodes every step "
+                           f"and never replaces a folder"),
+               ("out" in explicit, "--out: a warm start needs a new folder to write (e.g. --out "
+                                   "models/smollm2-warm)")])
+    cli.fill_defaults(cfg, {k: WARM[k] for k in ("steps", "lr", "lora_rank", "lora_alpha", "save_every",
+                                                 "format_prompts")})
+    out = Path(cfg.out)
+    if out.is_dir() and any(out.iterdir()):
+        raise ValueError(f"--out {cfg.out}: exists and is not empty; a warm start never replaces a folder: "
+                         f"choose another --out or remove it")
+    cli.run_folder(cfg.out, "--out", False)  # a file, or a folder that cannot be made or written: refused
+    partial = Path(os.path.abspath(out)).with_name(Path(os.path.abspath(out)).name + ".partial")
+    device = pick_device(cfg.device)
+    model, tok, path = load_policy(cfg.model, "cpu", "--model")
+    hidden = getattr(model.config, "hidden_size", None)
+    if hidden and cfg.lora_rank > hidden:
+        raise ValueError(f"--lora-rank {cfg.lora_rank}: must be <= the model's hidden size {hidden}")
+    amp = warm_dtype(cfg.dtype, device)
+    settings = warm_settings(cfg, path, amp)
+    state = read_partial(partial, settings, cfg.out)
+    return out, partial, model.to(device), tok, amp, settings, state
+
+
+def warm_main(cfg, out, partial, model, tok, amp, settings, state) -> None:
+    """python tools/prior.py --model M --out OUT, once its inputs are checked."""
+    device = next(model.parameters()).device
+    threads = cfg.threads or os.cpu_count() or 1
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    why = "native bf16" if native_bf16() else "no native bf16" if device.type == "cpu" else "CUDA"
+    print(f"warm start: {cfg.model} -> {out} | LoRA r{cfg.lora_rank} alpha {cfg.lora_alpha:g} | AdamW lr "
+          f"{cfg.lr:g} | {cfg.steps} steps of {json.dumps(WARM_MIX)} segments | "
+          f"{'bf16' if amp is not None else 'fp32'} ({cfg.dtype}: {why}) on {device.type}"
+          f"{f', {threads} threads' if device.type == 'cpu' else ''} | seed {cfg.seed}", flush=True)
+    print(f"resuming from step {state['step']} of {partial}" if state is not None else
+          f"a checkpoint every {cfg.save_every} steps in {partial}: after Ctrl-C the same command continues",
+          flush=True)
+    t0 = time.time()
+    losses = warm_start(model, tok, settings, amp, partial, state, cfg.save_every)
+    save_warm(model, tok, out, WARM["max_new_tokens"])
+    shutil.rmtree(partial, ignore_errors=True)
+    trained = time.time() - t0
+    rates = warm_rates(str(out), cfg.format_prompts, cfg.seed, WARM["max_new_tokens"])
+    print(f"wrote {out} in {time.time() - t0:.0f} s (training {trained:.0f} s); loss {losses[0]:.3f} -> "
+          f"{losses[-1]:.3f}; on {cfg.format_prompts} eval prompts: {json.dumps(rates)}")
 
 
 def main(argv=None):
     try:
-        cfg, _ = cli.parse(Config, argv, description=__doc__.split("\n")[0])
+        cfg, explicit = cli.parse(Config, argv, description=__doc__.split("\n")[0])
         cli.check(cli.bounds(cfg))
-        out = cli.run_folder(cfg.out, "--out", cfg.overwrite, patterns=PRIOR_FILES,
-                             marker=("config.json", "model.safetensors"), what="a prior build")
+        if cfg.model is not None:
+            warm = check_warm(cfg, explicit)
+        else:
+            typed = [k for k in WARM_ONLY if k in explicit]
+            cli.check([(not typed, f"--{typed[0].replace('_', '-') if typed else ''}: only for a warm start "
+                                   f"(with --model)")])
+            cli.fill_defaults(cfg, {"steps": TINY_WARMUP["steps"], "format_prompts": 32})
+            out = cli.run_folder(cfg.out, "--out", cfg.overwrite, patterns=PRIOR_FILES,
+                                 marker=("config.json", "model.safetensors"), what="a prior build")
     except ValueError as e:
         cli.fail(str(e))
+    if cfg.model is not None:
+        return warm_main(cfg, *warm)
     torch.set_num_threads(1)
     t0 = time.time()
     model, tok = build(warmup=dict(steps=cfg.steps, seed=cfg.seed, episodes_per_env=cfg.episodes_per_env))
