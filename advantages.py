@@ -3,7 +3,8 @@
 The objective is trajectory-level, J = E[R(tau)]: PPO and GRPO differ only in how a token's advantage is
 estimated (Appendix C.2: gamma = lambda = 1). A row of a [B, T] tensor is one trajectory, right-padded;
 `mask[:, t] == 1` exactly on the tokens the policy sampled. At the end, the estimators by name
-(`ESTIMATORS`, train.py's --algo): add one with `@register("name")`. Next: starpo.py, where they meet the loss.
+(`ESTIMATORS`, train.py's --algo): add one with `@register("name")`. Next: starpo.py, where they meet the
+loss.
 """
 
 from __future__ import annotations

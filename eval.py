@@ -23,8 +23,8 @@ import torch
 
 from engine import cli
 from engine.checkpoint import saved_settings
-from engine.models import default_reply_tokens, load_policy, model_kind, pick_device, run_policy
-from engine.models import setup_device
+from engine.models import DTYPES, choose_dtype, default_reply_tokens, default_threads, load_policy
+from engine.models import model_kind, pick_device, run_policy, setup_device
 from engine.report import dump, eval_line, table
 from envs import ENVS, EVAL_SEEDS
 from rollout import ROLLOUT_KEYS, RolloutConfig, Trajectory, expert_thought, rollout
@@ -50,7 +50,9 @@ class Config:
     seed: int = cli.flag(0, "sampling seed", lo=0, hi=cli.SEED_MAX)
     samples: int = cli.flag(1, "rollouts per prompt, pooled (paper: 1)", lo=1)
     device: str = cli.flag("auto", "auto, cpu, cuda or cuda:N")
-    threads: int = cli.flag(1, "CPU threads", lo=1)
+    threads: int | None = cli.flag(None, "CPU threads (default: tiny 1, hub models all cores)", lo=1)
+    dtype: str = cli.flag("auto", "compute dtype: auto (bf16 on CUDA, and on CPUs with native bf16 for hub "
+                                  "models), fp32, bf16", choices=DTYPES)
     webshop_data: str | None = cli.flag(None, "folder with the original WebShop files")
     json: str | None = cli.flag(None, "write the numbers to this new JSON file")
     dump: int = cli.flag(0, "print this many trajectories as text", lo=0)
@@ -231,10 +233,14 @@ def main(argv=None):
 
         # ---- 2. the setup: device, policy (none for a scripted agent), each env's rollout settings
         device = pick_device(cfg.device)
-        setup_device(device, cfg.threads)
+        name = cfg.policy if cfg.policy in SCRIPTED else run_policy(cfg.policy, "--policy")
+        kind = "tiny" if cfg.policy in SCRIPTED else model_kind(name)
+        dtype = choose_dtype(cfg.dtype, device, kind)
+        threads = cfg.threads if cfg.threads is not None else default_threads(kind)
+        setup_device(device, threads, dtype=dtype)
         model = tok = path = None
         if cfg.policy not in SCRIPTED:
-            model, tok, path = load_policy(run_policy(cfg.policy, "--policy"), device, "--policy")
+            model, tok, path = load_policy(name, device, "--policy")
         rcfgs = {env: rollout_config_for(path, cfg, env) for env in envs}
         for rcfg in rcfgs.values():  # saved values meet the flags' bounds too
             saved = {k: getattr(rcfg, k) for k in ROLLOUT_KEYS if hasattr(cfg, k)}

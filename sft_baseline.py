@@ -25,7 +25,8 @@ from engine.checkpoint import open_run, read_metrics, restore_models, resume_con
 from engine.checkpoint import save_checkpoint, save_final
 from engine.logprobs import pad_segments, shared_prefix_len, sorted_micro_batches
 from engine.lora import add_lora, merge_lora, trainable_state
-from engine.models import autocast_dtype, check_budgets, default_reply_tokens, load_policy, model_kind
+from engine.models import DTYPES, autocast_dtype, check_budgets, choose_dtype, default_reply_tokens
+from engine.models import default_threads, load_policy, model_kind
 from engine.models import pick_device, setup_device, unknown_words
 from engine.report import dump, step_line
 from envs import ENVS, train_seeds
@@ -94,8 +95,10 @@ class Config:
     model: str = flag("tiny", "tiny (the shipped prior, offline), a hub id such as "
                       "Qwen/Qwen2.5-0.5B-Instruct, a folder or a .gguf file")
     device: str = flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
-    threads: int = flag(1, "CPU threads (1 measured fastest for small models on 2-core machines)",
-                        lo=1)
+    threads: int | None = flag(None, "CPU threads (default: tiny 1, the fastest on 2 cores; hub models "
+                               "all)", lo=1)
+    dtype: str = flag("auto", "compute dtype: auto (bf16 on CUDA, and on CPUs with native bf16 for hub "
+                      "models), fp32, bf16", choices=DTYPES)
     micro_batch: int | None = flag(None, "training sequences per forward/backward, gradient "
                                    "accumulation (default: tiny 16, hub models 4)", lo=1)
     fused: bool = flag(True, "the chunked log-prob path that never builds [B, T, V] logits")
@@ -112,7 +115,8 @@ def derive(cfg: Config) -> Config:
     """The per-model defaults, the run folder, one-line errors."""
     kind = model_kind(cfg.model)
     cli.fill_defaults(cfg, MODEL_DEFAULTS[kind])
-    cli.fill_defaults(cfg, {"max_new_tokens": default_reply_tokens(kind, cfg.env)})
+    budget = default_reply_tokens(kind, cfg.env)
+    cli.fill_defaults(cfg, {"max_new_tokens": budget, "threads": default_threads(kind)})
     if cfg.expert_actions is None:  # the fewest moves per turn that use the whole budget
         turns = max(1, cfg.max_turns)
         cfg.expert_actions = min(cfg.max_actions_per_turn, -(-cfg.max_actions // turns))
@@ -249,8 +253,10 @@ def main(argv=None):
 
         # ---- 2. the setup: device, policy (+ LoRA, App. G), optimizer
         device = pick_device(cfg.device)
-        setup_device(device, cfg.threads)
-        amp = autocast_dtype(device)  # bf16 autocast on CUDA, fp32 weights
+        dtype = choose_dtype(cfg.dtype, device, model_kind(cfg.model))
+        setup_device(device, cfg.threads, dtype=dtype)
+        amp = autocast_dtype(device)  # bf16 autocast or None; fp32 weights
+        print(f"{cfg.env} | {cfg.model} | {device}, {dtype}")
         policy, tok, _ = load_policy(cfg.model, device)
         check_budgets(policy, cfg.max_new_tokens, cfg.lora_rank)
         env_kw = {"data_dir": cfg.webshop_data} if cfg.webshop_data else {}

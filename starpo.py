@@ -38,13 +38,13 @@ def token_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     tokens lines up with logp as it is; entropy[:, t] is the entropy of that same distribution.
 
     `fused=True` computes the same numbers without the [B, T, V] logits, the shared prompt header
-    (`prefix_len`) run once (engine/logprobs.py, tested equal). `positions` [B, T]: the tokens the caller reads;
-    both outputs are 0 elsewhere. `model` may be a TokenLogprobs, or DDP around one (torchrun)."""
+    (`prefix_len`) run once (engine/logprobs.py, tested equal). `positions` [B, T]: the tokens the caller
+    reads; both outputs are 0 elsewhere. `model` may be a TokenLogprobs, or DDP around one (torchrun)."""
     if isinstance(model, TokenLogprobs) or isinstance(getattr(model, "module", None), TokenLogprobs):
         return model(input_ids, attention_mask, temperature, fused, chunk_size, prefix_len, positions)
     if isinstance(model, nn.parallel.DistributedDataParallel):
         raise ValueError("token_logprobs got DistributedDataParallel(model): wrap TokenLogprobs(model, "
-                         "token_logprobs) instead, or its gradients are never all-reduced (see TokenLogprobs)")
+                         "token_logprobs) instead, or its gradients are never all-reduced (TokenLogprobs)")
     if fused:
         return fused_token_logprobs(model, input_ids, attention_mask, temperature, chunk_size, prefix_len,
                                     positions)

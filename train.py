@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,7 +32,8 @@ from engine.checkpoint import open_run, read_metrics, restore_models, restore_op
 from engine.checkpoint import resume_config, resume_point, save_checkpoint
 from engine.logprobs import TokenLogprobs, pad_logps, pad_segments, shared_prefix_len
 from engine.lora import adapters_off, apply_levers
-from engine.models import autocast_dtype, check_budgets, default_reply_tokens, load_critic
+from engine.models import DTYPES, autocast_dtype, check_budgets, choose_dtype, default_reply_tokens
+from engine.models import load_critic
 from engine.models import load_policy, memory_metrics, model_kind, pick_device
 from engine.models import setup_device, visiting
 from engine.report import iteration_line, run_line
@@ -48,10 +50,13 @@ from starpo import update
 PRESETS = {
     "starpo": dict(filter=1.0, kl_coef=0.001, kl_kind="k1", clip_low=0.2, clip_high=0.2),
     "starpo-s": dict(filter=0.25, kl_coef=0.0, clip_low=0.2, clip_high=0.28)}
-# the fields left at None, per model size: hub models the paper's (App. C.2), tiny a CPU's
+# the fields left at None, per model size: hub models the paper's (App. C.2), tiny a CPU's. lora_lr: the
+# policy's rate with --lora-rank, ~10x full fine-tuning's (Schulman et al. 2025, "LoRA Without Regret")
 MODEL_DEFAULTS = {
-    "tiny": dict(lr=1e-4, critic_lr=1e-3, steps=30, eval_prompts=128, micro_batch=16, imitation_lr=2.5e-4),
-    "hf": dict(lr=1e-6, critic_lr=1e-5, steps=200, eval_prompts=256, micro_batch=4, imitation_lr=5e-4)}
+    "tiny": dict(lr=1e-4, lora_lr=1e-4, critic_lr=1e-3, steps=30, eval_prompts=128, micro_batch=16,
+                 imitation_lr=2.5e-4, threads=1),
+    "hf": dict(lr=1e-6, lora_lr=1e-5, critic_lr=1e-5, steps=200, eval_prompts=256, micro_batch=4,
+               imitation_lr=5e-4, threads=os.cpu_count() or 1)}
 KL, METRICS, NOISE = ["k1", "k3"], ["reward_std", "reward_mean", "reward_sum"], ["shared", "independent"]
 FILTERS, TOP_P = ["top_k", "top_k_abs", "top_p", "min_p"], ["linear", "softmax"]
 DEMOS, GIGPO = ["hindsight", "best"], ["mean_norm", "mean_std_norm"]
@@ -67,7 +72,7 @@ class Config:
     filter: float = flag(0.25, "fraction of prompt groups kept by in-group reward std (1 = all)", gt=0)
     filter_smallest: bool = flag(False, "keep the LOWEST-std groups (the paper's ablation)")
     kl_coef: float = flag(0.0, "KL-to-initial-policy coefficient (StarPO: 0.001)", lo=0)
-    kl_kind: str = flag("k3", "KL estimator: k1 (the paper's runs), k3 (low-variance)", choices=KL)
+    kl_kind: str = flag("k3", "KL estimator: k1 (RAGEN's `kl`, the paper's runs), k3", choices=KL)
     kl_in_reward: bool | None = flag(None, "PPO: the KL in the rewards (default: with --preset starpo)")
     clip_low: float = flag(0.2, "PPO clip eps_low", lo=0, lt=1)
     clip_high: float = flag(0.28, "PPO clip eps_high (Clip-Higher; StarPO: 0.2)", lo=0)
@@ -80,7 +85,7 @@ class Config:
     max_turns: int = flag(5, "turns per episode", lo=1)
     max_actions_per_turn: int = flag(5, "actions per turn", lo=1)
     max_actions: int = flag(10, "actions per episode", lo=1)
-    max_new_tokens: int | None = flag(None, "tokens per reply (default: tiny 100, hub 400/500)", lo=1)
+    max_new_tokens: int | None = flag(None, "tokens per reply (default: tiny 100, hub models 400/500)", lo=1)
     format_penalty: float = flag(-0.1, "reward of a turn without a valid answer")
     think: bool = flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
     context_turns: int = flag(0, "history: 0 = the whole conversation, K = the last K turns", lo=0)
@@ -90,8 +95,8 @@ class Config:
     mini_batch: int = flag(32, "training sequences per optimizer step", lo=1)
     ppo_epochs: int = flag(1, "passes over each rollout batch (the paper's runs: 1)", lo=1)
     online_k: int = flag(1, "RAGEN's Online-k (Fig. 7): k x P prompts, each used once", lo=1)
-    group_noise: str = flag("shared", "a group's rollouts share their luck (RAGEN's) or not", choices=NOISE)
-    response_mask: bool = flag(True, "train only sampled tokens (off: all, as the paper's runs)")
+    group_noise: str = flag("shared", "a group's luck: shared (RAGEN's) or independent", choices=NOISE)
+    response_mask: bool = flag(True, "train sampled tokens only (off: all, as the paper's runs did)")
     loss_agg: str = flag("token-mean", "seq-mean-token-mean: the paper's 1/|tau| form", choices=AGG_MODES)
     temperature: float = flag(1.0, "rollout sampling temperature", gt=0)
     lr: float | None = flag(None, "policy learning rate (default: tiny 1e-4, hub 1e-6)", gt=0)
@@ -126,7 +131,9 @@ class Config:
     overwrite: bool = flag(False, "replace the run in --out (only the files a run writes)")
     model: str = flag("tiny", "tiny (the shipped prior), a hub id, a folder, a run or a .gguf file")
     device: str = flag("auto", "auto (CUDA if present), cpu, cuda or cuda:N")
-    threads: int = flag(1, "CPU threads (1 measured fastest for the prior on 2 cores)", lo=1)
+    threads: int | None = flag(None, "CPU threads (default: tiny 1, the fastest on 2 cores; hub all)", lo=1)
+    dtype: str = flag("auto", "compute dtype: auto (bf16 on CUDA, and on CPUs with native bf16 for hub "
+                      "models), fp32, bf16", choices=DTYPES)
     micro_batch: int | None = flag(None, "sequences per forward (default: tiny 16, hub 4)", lo=1)
     fused: bool = flag(True, "chunked log-probs, never the [B, T, V] logits")
     save_every: int = flag(10, "checkpoint every K iterations (0: only final/)", lo=0)
@@ -148,7 +155,11 @@ def derive(cfg: Config, explicit: set[str] = frozenset()) -> Config:
     """The per-model defaults, the run folder (two commands never share one), the
     rules between flags: one-line errors."""
     kind = model_kind(cfg.model)
-    cli.fill_defaults(cfg, MODEL_DEFAULTS[kind])
+    defaults = dict(MODEL_DEFAULTS[kind])
+    lora_lr = defaults.pop("lora_lr")
+    if cfg.lora_rank:
+        defaults["lr"] = lora_lr
+    cli.fill_defaults(cfg, defaults)
     budget = default_reply_tokens(kind, cfg.env)
     cli.fill_defaults(cfg, {"max_new_tokens": budget})
     if cfg.kl_in_reward is None:  # StarPO with PPO as the paper ran it
@@ -356,8 +367,9 @@ def main(argv=None):
         device = dist.init(pick_device(cfg.device))  # torchrun: a GPU each
         k = f" x --online-k {cfg.online_k}" if cfg.online_k > 1 else ""
         dist.check_groups(cfg.groups, f"--prompts {cfg.prompts}{k}")
-        setup_device(device, cfg.threads, cfg.memory_cap)
-        amp = autocast_dtype(device)  # bf16 autocast on CUDA
+        dtype = choose_dtype(cfg.dtype, device, model_kind(cfg.model))
+        setup_device(device, cfg.threads, cfg.memory_cap, dtype)
+        amp = autocast_dtype(device)  # bf16 autocast or None; fp32 weights
         with dist.main_first():  # rank 0 downloads, the others read
             policy, tok, path = load_policy(cfg.model, device)
         check_budgets(policy, cfg.max_new_tokens, cfg.lora_rank)
@@ -418,7 +430,7 @@ def main(argv=None):
     # ---- 4. the run folder: the first line, config.json, metrics (rank 0)
     metrics_path = out / "metrics.jsonl"
     if dist.is_main():
-        print(describe(cfg, device))
+        print(describe(cfg, f"{device}, {dtype}"))
         fresh = cfg.overwrite and not cfg.resume
         metrics_path = open_run(out, asdict(cfg), start, kept_metrics,
                                 fresh, ck)

@@ -4,9 +4,10 @@ the one place that decides device, dtype, threads and the attention kernel.
 `--model tiny` loads `prior/`: a real Qwen2-architecture `transformers` model with a word-level tokenizer which,
 like the paper's instruct model (Qwen2.5-0.5B-Instruct, section 3.2), knows the answer format but not the task
 (tools/prior.py built it). CUDA if present, else the CPU (`--device` overrides); fp32 master weights, bf16
-autocast on CUDA only, no cuDNN attention (`setup_device`); one CPU thread by default (on 2-core machines two
-made small-model updates erratic and up to 10x slower). A run folder given as a model means its policy:
-final/, or its latest checkpoint's. The critic's class is starpo.Critic. Tokenizer helpers: the text that
+autocast on CUDA and, for hub-size models, on CPUs with native bf16 (`choose_dtype`), no cuDNN attention
+(`setup_device`); the tiny prior on one CPU thread (on 2-core machines two made its updates erratic and up to
+10x slower), hub-size models on every core (`default_threads`). A run folder given as a model means its
+policy: final/, or its latest checkpoint's. The critic's class is starpo.Critic. Tokenizer helpers: the text that
 closes a chat turn (`turn_close`, for rollout.py), the words a tokenizer maps to <unk> (`unknown_words`).
 """
 from __future__ import annotations
@@ -38,8 +39,38 @@ def pick_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
+DTYPES = ("auto", "fp32", "bf16")
+_AMP: dict = {}  # device type -> the autocast dtype this process chose (setup_device); else the default
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX on x86: 2.4-2.9x fp32's matmul speed
+    measured on one thread); elsewhere bf16 is emulated and slower than fp32."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+
+
+def choose_dtype(name: str, device: torch.device, kind: str) -> str:
+    """--dtype -> "fp32" or "bf16", the compute dtype of the forward passes (weights, optimizer states and the
+    loss stay fp32). auto: bf16 on CUDA, and on a CPU with native bf16 for hub-size models (`kind` "hf");
+    fp32 elsewhere, and for the tiny prior on a CPU, whose numbers stay bit-identical."""
+    if name not in DTYPES:
+        raise ValueError(f"--dtype {name!r}: allowed are {', '.join(DTYPES)}")
+    if name != "auto":
+        return name
+    if device.type == "cuda" or (device.type == "cpu" and kind == "hf" and native_bf16()):
+        return "bf16"
+    return "fp32"
+
+
 def autocast_dtype(device: torch.device):
-    """bf16 autocast on CUDA only; CPU runs in fp32."""
+    """The autocast dtype on `device` (None: fp32): what setup_device chose for this process, else bf16 on
+    CUDA and fp32 on a CPU."""
+    if device.type in _AMP:
+        return _AMP[device.type]
     return torch.bfloat16 if device.type == "cuda" else None
 
 
@@ -48,9 +79,11 @@ def cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def setup_device(device: torch.device, threads: int = 1, memory_cap: float | None = None) -> None:
-    """Process-wide settings for this device: intra-op threads on CPU; on CUDA the allocator's cap (GiB) and no
-    cuDNN attention. torch 2.11's CUDA builds prefer cuDNN's attention on Hopper, which builds an execution
+def setup_device(device: torch.device, threads: int = 1, memory_cap: float | None = None,
+                 dtype: str | None = None) -> None:
+    """Process-wide settings for this device: intra-op threads on CPU; the compute dtype (`choose_dtype`'s
+    "fp32" or "bf16": bf16 autocast, which `autocast_dtype` then returns); on CUDA the allocator's cap (GiB)
+    and no cuDNN attention. torch 2.11's CUDA builds prefer cuDNN's attention on Hopper, which builds an execution
     graph for every new sequence length; here every shape is new (each decode step, turn and micro-batch):
     measured on an H200, 2.5 ms of host time per attention call, 2/3 of a ~95 ms forward step. Flash and
     memory-efficient attention compute the same without a per-shape build."""
@@ -64,6 +97,8 @@ def setup_device(device: torch.device, threads: int = 1, memory_cap: float | Non
                              f"({torch.cuda.get_device_name(index)})")
         torch.cuda.empty_cache()  # what earlier work left in the caching allocator is not this run's
         torch.cuda.set_per_process_memory_fraction(memory_cap * 2 ** 30 / total, index)
+    if dtype is not None:
+        _AMP[device.type] = torch.bfloat16 if dtype == "bf16" else None
     if device.type == "cpu":
         torch.set_num_threads(threads)
     elif device.type == "cuda":
@@ -117,6 +152,11 @@ def model_kind(name: str) -> str:
         except (OSError, ValueError):
             return "hf"  # load_policy reports the unreadable folder with its own error
     return "hf"
+
+
+def default_threads(kind: str) -> int:
+    """CPU threads for a `model_kind`: the tiny prior 1 (faster and steadier on 2 cores), hub models all."""
+    return 1 if kind == "tiny" else max(1, os.cpu_count() or 1)
 
 
 def default_reply_tokens(kind: str, env: str) -> int:

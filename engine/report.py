@@ -17,8 +17,9 @@ def run_line(name: str, cfg, extra: str, device) -> str:
     if cfg.filter_strategy != "top_k":
         kept = f"{cfg.filter_strategy} {cfg.filter:g} of"
     model = "tiny policy" if cfg.model == "tiny" else cfg.model
-    return (f"{name}: {cfg.algo.upper()}, {kept} {cfg.groups} groups by {cfg.filter_metric.replace('_', ' ')}, "
-            f"{kl}, clip {cfg.clip_low:g}/{cfg.clip_high:g}{extra} | {cfg.env} | {model} | {device}")
+    by = cfg.filter_metric.replace("_", " ")
+    return (f"{name}: {cfg.algo.upper()}, {kept} {cfg.groups} groups by {by}, {kl}, clip "
+            f"{cfg.clip_low:g}/{cfg.clip_high:g}{extra} | {cfg.env} | {model} | {device}")
 
 
 def iteration_line(m: dict) -> str:

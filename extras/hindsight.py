@@ -177,8 +177,9 @@ def imitation_step(cfg, trajs: list, policy, opt, ucfg: UpdateConfig, tok, rcfg:
 
 
 def plug(cfg, points: dict, run: dict) -> None:
-    """train.py's --hindsight-imitation K: its own AdamW (a supervised step wants ~5x the RL step; checkpointed
-    with the run's optimizers), and a hook after each update that imitates this iteration's demos."""
+    """train.py's --hindsight-imitation K: its own AdamW (a supervised step wants ~5x the RL step;
+    checkpointed with the run's optimizers), and a hook after each update that imitates this iteration's
+    demos."""
     trainable = [p for p in run["policy"].parameters() if p.requires_grad]
     run["optimizers"]["imit_opt"] = torch.optim.AdamW(trainable, lr=cfg.imitation_lr, weight_decay=0.0,
                                                       betas=(0.9, 0.95))

@@ -96,4 +96,5 @@ def describe(cfg) -> tuple[str, bool]:
         parts.append(f"{', '.join(later)} (RAGEN's later code)")
     if cfg.collapse_every:
         parts.append(f"collapse metrics every {cfg.collapse_every} (RAGEN-2, measured only)")
-    return "".join(f" + {p}" for p in parts), bool(later) or cfg.algo == "gigpo" or cfg.hindsight_imitation > 0
+    modified = bool(later) or cfg.algo == "gigpo" or cfg.hindsight_imitation > 0
+    return "".join(f" + {p}" for p in parts), modified

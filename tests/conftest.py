@@ -23,6 +23,18 @@ MICRO = dict(envs=["bandit"], warmup=dict(episodes_per_env=8, steps=2, batch_tok
                             num_key_value_heads=1))
 
 
+# The tests of the paper's files (README's reading path): marked `paper`, the tier a student runs while
+# reading (python -m pytest -m paper), but for the tests marked `end_to_end`.
+PAPER_TESTS = {"test_envs.py", "test_rollout.py", "test_filter.py", "test_advantages.py", "test_starpo.py",
+               "test_train.py", "test_monitor.py", "test_eval.py", "test_sft.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.name in PAPER_TESTS and not item.get_closest_marker("end_to_end"):
+            item.add_marker(pytest.mark.paper)
+
+
 @pytest.fixture(scope="session")
 def small_path(tmp_path_factory) -> str:
     import torch
@@ -47,3 +59,12 @@ def bandit_tiny(tmp_path_factory) -> str:
                        warmup=dict(steps=60, episodes_per_env=64),
                        model_cfg=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2),
                        envs=["bandit"])
+
+
+@pytest.fixture(autouse=True)
+def _fp32_after_each_test():
+    """An in-process run with --dtype bf16 sets the process's autocast dtype (engine/models.setup_device): the
+    next test starts from the default again."""
+    yield
+    from engine import models
+    models._AMP.clear()

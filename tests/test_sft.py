@@ -64,7 +64,8 @@ def test_only_lora_parameters_get_gradients():
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    # train.py's and sft_baseline.py's AdamW: over the parameters that train
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.01)
     assert sum(len(g["params"]) for g in opt.param_groups) == len(trainable)
     ids = torch.randint(0, 48, (2, 9), generator=torch.Generator().manual_seed(2))
     for _ in range(2):  # step 1 moves only B (A's gradient is 0 while B = 0), step 2 both

@@ -24,14 +24,16 @@ FAST = ["--threads", "1", "--format-prompts", "1"]
 @pytest.fixture(scope="module")
 def base(tmp_path_factory) -> Path:
     """A random 2-layer Llama (grouped KV heads, tied head) saved with a tokenizer that has a chat template: a
-    pretrained instruct LM's folder in miniature."""
+    pretrained instruct LM's folder in miniature. Its weights are drawn 10x wider than Llama's 0.02: with the
+    default, logits through the tied random embeddings stay within about +-0.6, and no adapter could move
+    the loss far from log(vocabulary)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     folder = tmp_path_factory.mktemp("llama")
     tok = tokenizer_class(PRIOR_DIR).from_pretrained(str(PRIOR_DIR))
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=True,
+        num_key_value_heads=1, max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=0.2,
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id))
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -53,7 +55,7 @@ def test_the_warm_start_writes_a_plain_policy_and_its_loss_falls(base, tmp_path,
     printed = capsys.readouterr().out
     losses = [float(line.split("| loss ")[1].split(" |")[0]) for line in printed.splitlines()
               if line.startswith("step ")]
-    assert len(losses) == 16 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3, losses
+    assert len(losses) == 16 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 1.5, losses
     # a plain model folder: the adapters merged (no LoRA keys), fp32, the tokenizer and its chat template,
     # and the reply budget eval.py reads; the checkpoint folder is gone
     assert json.loads((out / "train_config.json").read_text()) == {"max_new_tokens": 60}

@@ -55,7 +55,7 @@ if [[ $mode == cpu ]]; then
     step 4-eval 120 "$py" eval.py --policy "$out/run" --prompts 4 --device cpu
     echo "5-bench-full skipped (needs CUDA)" | tee -a "$out/SUMMARY"
 else
-    step 1-cuda-tests 90 "$py" -m pytest -q -rs tests/test_sampler.py tests/test_starpo.py tests/test_policy.py
+    step 1-cuda-tests 90 "$py" -m pytest -q -rs tests/test_sampler.py tests/test_starpo.py tests/test_models.py
     step 2-memory-cap 30 "$py" -c 'import torch; from engine.models import setup_device
 setup_device(torch.device("cuda"), 1, 2.0)
 try:

@@ -1,7 +1,7 @@
 """Tests for engine/models.py: device choice, the Hugging Face loading path on a small Qwen2 model saved with
 save_pretrained, the shipped prior's loading and its errors, and the PPO critic.
 
-Run from the repository root:  python -m pytest -q tests/test_policy.py   (about 20 s on one core)
+Run from the repository root:  python -m pytest -q tests/test_models.py   (about 20 s on one core)
 
 `small` (tests/conftest.py) is a SMALL tiny-policy build (2 envs, ~80k parameters, seconds to build).
 """
