@@ -199,6 +199,10 @@ def rollout_config_for(policy_path: str | None, cfg: Config, env: str) -> Rollou
     return RolloutConfig(temperature=cfg.temperature, **values)
 
 
+def settings(rcfg: RolloutConfig) -> dict:  # what a rollout renders and samples (no speed-only switch)
+    return {k: v for k, v in asdict(rcfg).items() if k in ROLLOUT_KEYS or k == "temperature"}
+
+
 def check_envs(cfg: Config) -> list[str]:
     """--env or --envs -> the envs to evaluate, every rule of the flags checked."""
     envs = [cfg.env]
@@ -219,6 +223,8 @@ def check_envs(cfg: Config) -> list[str]:
          f"first; use 1 or a temperature above 0"),
         (not cfg.webshop_data or "webshop" in envs,
          f"--webshop-data {cfg.webshop_data}: only for the webshop env (evaluating: {', '.join(envs)})"),
+        (not cfg.webshop_data or Path(cfg.webshop_data).is_dir(), f"--webshop-data {cfg.webshop_data}: no such "
+                                                                   f"folder"),
     ])
     return envs
 
@@ -270,10 +276,10 @@ def main(argv=None):
         for t in trajs[:cfg.dump]:
             print(dump(t, tok), file=sys.stderr)
     print(f"policy: {cfg.policy}, {cfg.prompts} prompts x {cfg.samples} sample(s), temperature "
-          f"{cfg.temperature}, rollout: {asdict(rcfgs[envs[0]])}")
+          f"{cfg.temperature}, rollout: {settings(rcfgs[envs[0]])}")
     print(table(rows))
     if cfg.json:
-        rollouts = {env: asdict(r) for env, r in rcfgs.items()}
+        rollouts = {env: settings(r) for env, r in rcfgs.items()}
         Path(cfg.json).write_text(json.dumps({"policy": cfg.policy, "results": rows, "rollout": rollouts},
                                              indent=2))
     return rows

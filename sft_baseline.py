@@ -124,7 +124,9 @@ def derive(cfg: Config) -> Config:
         (1 <= cfg.expert_actions <= cfg.max_actions_per_turn,
          f"--expert-actions {cfg.expert_actions}: must be in 1..{cfg.max_actions_per_turn} "
          f"(--max-actions-per-turn)"),
-        (not cfg.webshop_data or cfg.env == "webshop", "--webshop-data: only for --env webshop")])
+        (not cfg.webshop_data or cfg.env == "webshop", "--webshop-data: only for --env webshop"),
+        (not cfg.webshop_data or Path(cfg.webshop_data).is_dir(),
+         f"--webshop-data {cfg.webshop_data}: no such folder")])
     if cfg.out is None:
         cfg.out = f"runs/sft-{cfg.env}-s{cfg.seed}"
     return cfg
@@ -249,6 +251,9 @@ def main(argv=None):
     with cli.one_line_errors():
         cfg, out = configure(argv)
         start, state, ck = resume_point(cfg, out, "steps")  # 0, or a resumed run's latest checkpoint
+        if ck and start == cfg.steps and (out / "result.json").is_file():  # nothing to do, nothing written
+            print(f"{out}: the run is complete ({start} steps); evaluate it with python eval.py --policy {out}")
+            return out
         t_start = time.time()
 
         # ---- 2. the setup: device, policy (+ LoRA, App. G), optimizer

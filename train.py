@@ -102,7 +102,7 @@ class Config:
     lr: float | None = flag(None, "policy learning rate (default: tiny 1e-4, hub 1e-6)", gt=0)
     critic_lr: float | None = flag(None, "critic learning rate (default: tiny 1e-3, hub 1e-5)", gt=0)
     steps: int | None = flag(None, "training iterations (default: tiny 30, hub models 200)", lo=1)
-    eval_every: int = flag(10, "evaluate every this many iterations (0: at the end)", lo=0)
+    eval_every: int = flag(10, "evaluate the start (iteration 0), every K and the last (0: the last)", lo=0)
     eval_prompts: int | None = flag(None, "eval prompts (default: tiny 128, hub 256)", lo=1, hi=256)
     eval_temperature: float = flag(0.5, "eval sampling temperature (paper: 0.5)", lo=0)
     # ---- beyond the paper (opt-in, extras/options.py; a run names those it uses in its first line)
@@ -178,7 +178,9 @@ def derive(cfg: Config, explicit: set[str] = frozenset()) -> Config:
          f"{cfg.mini_batch} (a micro-batch is part of a mini-batch)"),
         (not cfg.webshop_data or cfg.env == "webshop",
          f"--webshop-data {cfg.webshop_data}: only for --env webshop "
-         f"(this run: --env {cfg.env})")]
+         f"(this run: --env {cfg.env})"),
+        (not cfg.webshop_data or Path(cfg.webshop_data).is_dir(),
+         f"--webshop-data {cfg.webshop_data}: no such folder")]
     if cli.opt_ins(cfg) or cfg.algo not in ("grpo", "ppo"):
         from extras.options import rules as beyond
         rules += beyond(cfg, explicit)
@@ -362,6 +364,10 @@ def main(argv=None):
         cfg, out = configure(argv)
         # 0, or a resumed run's latest checkpoint
         start, state, ck = resume_point(cfg, out)
+        if ck and start == cfg.steps and (out / "final").is_dir():  # nothing to do, nothing written
+            print(f"{out}: the run is complete ({start} iterations); evaluate it with python eval.py "
+                  f"--policy {out}, or continue it with --resume {out} --steps N (N > {start})")
+            return out
 
         # ---- 2. the setup: device, policy, critic, reference, optimizers
         device = dist.init(pick_device(cfg.device))  # torchrun: a GPU each
@@ -435,8 +441,16 @@ def main(argv=None):
         metrics_path = open_run(out, asdict(cfg), start, kept_metrics,
                                 fresh, ck)
 
-    # ---- 5. the loop
+    # ---- 5. the loop, after an eval of the start: iteration 0, the level the run is compared with (verl's
+    # val_before_train)
     from tqdm import tqdm
+    if start == 0 and cfg.eval_every and dist.is_main():
+        m = {"step": 0}
+        m.update(eval_metrics(cfg.env, eval_rcfg, policy, tok, cfg.eval_prompts, cfg.seed, env_kw,
+                              out / "trajectories-000000.txt", cfg.dump_trajectories))
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(m) + "\n")
+        print(iteration_line(m))
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps,
                desc=describe(cfg, "").split(":")[0], dynamic_ncols=True,
                disable=not dist.is_main())

@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import typing
@@ -80,7 +81,13 @@ def finite_float(text: str) -> float:
 
 class Parser(argparse.ArgumentParser):
     """argparse, but an error is one line (`prog: error: argument --steps: invalid int value: 'x'`), without
-    the usage block, so that every bad input of every script reads the same way."""
+    the usage block, so that every bad input of every script reads the same way; and a negative number in
+    scientific notation (`--lr -1e-4`) is a value, so that it meets the value's check ("must be > 0"), where
+    argparse alone took it for a flag ("expected one argument")."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.I)
 
     def error(self, message):
         fail(message, self.prog)

@@ -23,6 +23,7 @@ import torch
 
 PRIOR_DIR = Path(__file__).resolve().parents[1] / "prior"  # the shipped tiny policy (tools/prior.py)
 GENERIC_TOKENIZERS = ("PreTrainedTokenizerFast", "TokenizersBackend")
+LOCAL_FOLDERS = ("runs", "models", "prior")  # a name under one of these is a local folder, never a hub id
 
 
 # ----------------------------------------------------------------------------- device, dtype, threads
@@ -184,7 +185,9 @@ def resolve_model(name: str, flag_name: str = "--model") -> tuple[str, bool]:
     """Where `name` loads from -> (path or hub id, local_files_only), or a ValueError that says what to do.
 
     An existing folder must hold config.json (else the error says what the folder is); a path-shaped name
-    (absolute, ./, ~, or more than one "/") that does not exist is a missing folder. A hub id ("org/name")
+    (absolute, ./, ~, more than one "/", under runs/, models/, prior/ or a folder that exists here, or named
+    as a run folder, "...-s0") that does not exist is a missing folder, with the closest names beside it. A
+    hub id ("org/name")
     loads from the local Hugging Face cache when the hub cannot be reached, and fails in seconds when the
     cache lacks it (transformers alone retries for about a minute)."""
     path = Path(name).expanduser()
@@ -199,7 +202,11 @@ def resolve_model(name: str, flag_name: str = "--model") -> tuple[str, bool]:
             raise ValueError(f"{flag_name} {name!r}: no config.json in this folder ({what})")
         return str(path), True
     if name.startswith(("/", ".", "~")) or name.count("/") != 1 or not all(name.split("/")):
-        raise ValueError(f"{flag_name} {name!r}: no such folder (and not a hub id of the form org/name)")
+        raise ValueError(f"{flag_name} {name!r}: no such folder{nearby(path)} (and not a hub id of the form "
+                         f"org/name)")
+    first, last = name.split("/")
+    if first in LOCAL_FOLDERS or Path(first).is_dir() or re.search(r"-s\d+(-[0-9a-f]{6})?$", last):
+        raise ValueError(f"{flag_name} {name!r}: no such folder{nearby(path)}")  # a run or model, not a hub id
     from huggingface_hub import try_to_load_from_cache
     cached = isinstance(try_to_load_from_cache(name, "config.json"), str)
     if hub_reachable():
@@ -209,6 +216,16 @@ def resolve_model(name: str, flag_name: str = "--model") -> tuple[str, bool]:
                          f"reached from this machine: download it first (huggingface-cli download {name}) "
                          f"or pass a local folder")
     return name, True
+
+
+def nearby(path: Path) -> str:
+    """", did you mean ...?" naming the entries of the missing folder's parent closest to its name, if any."""
+    import difflib
+    parent = path.parent
+    if not parent.is_dir():
+        return ""
+    close = difflib.get_close_matches(path.name, [p.name for p in parent.iterdir()], n=3, cutoff=0.5)
+    return f" (did you mean {' or '.join(str(parent / c) for c in close)}?)" if close else ""
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:

@@ -61,6 +61,26 @@ def bandit_tiny(tmp_path_factory) -> str:
                        envs=["bandit"])
 
 
+@pytest.fixture(scope="session")
+def random_llama(tmp_path_factory) -> str:
+    """A random LlamaForCausalLM (SmolLM2's architecture) of small widths with the shipped prior's tokenizer,
+    saved as a model folder: a real Llama path through loading, the engine, LoRA and the update."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from engine.models import load_policy
+    _, tok, _ = load_policy("tiny")
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("llama")
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.fixture(autouse=True)
 def _fp32_after_each_test():
     """An in-process run with --dtype bf16 sets the process's autocast dtype (engine/models.setup_device): the

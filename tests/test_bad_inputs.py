@@ -158,6 +158,18 @@ CASES = [
     ("bench", ["rollout", "--repeats", "0"], "--repeats 0", None),
     ("bench", ["gpu", "--gpu-filter", "2"], "--gpu-filter 2.0", None),
     ("bench", ["--device", "tpu"], "--device", None),
+    # issue 61: what a newcomer hit on a fresh clone
+    ("plot", ["RUN", "--out", "TMP/afile"], "exists; nothing is replaced", "untouched"),
+    ("eval", ["--policy", "runs/no-such-run"], "--policy 'runs/no-such-run': no such folder", None),
+    ("eval", ["--policy", "RUN-s0"], "no such folder", None),
+    ("train", ["--model", "models/smollm2-typo"], "--model 'models/smollm2-typo': no such folder", None),
+    ("train", ["--lr", "-1e-4"], "--lr -0.0001: must be > 0", None),
+    ("train", ["--clip-high", "-2E-1"], "--clip-high -0.2: must be >= 0", None),
+    ("eval", ["--temperature", "-5e-1"], "--temperature -0.5: must be >= 0", None),
+    ("sft", ["--lr", "-1e-3"], "--lr -0.001: must be > 0", None),
+    ("train", ["--env", "webshop", "--webshop-data", "TMP/none"], "--webshop-data", None),
+    ("eval", ["--env", "webshop", "--webshop-data", "TMP/none"], "--webshop-data", None),
+    ("eval", ["--envs", "sokoban,,bandit"], "an empty name between commas", None),
 ]
 
 
@@ -188,6 +200,46 @@ def test_bad_input_is_one_line_and_loses_nothing(script, args, needle, damage, b
     assert needle in lines[0], lines[0]
     assert snapshot(run) == before  # nothing of an existing run changed
     assert not (tmp_path / "runs").exists() and not (tmp_path / "r").exists()  # and no run folder was started
+
+
+def test_hub_advice_only_for_a_name_that_could_be_a_hub_id(tmp_path, monkeypatch, capsys):
+    """Issue 61.2: a mistyped run path got hub advice. A name under runs/, models/ or prior/, or one that
+    names a run folder, is a missing folder, with the closest names beside it."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs" / "sokoban-grpo-s0").mkdir(parents=True)
+    for name, says in (("runs/sokoban-grpo-s1", "did you mean runs/sokoban-grpo-s0?"),
+                       ("somewhere/bandit-grpo-s3", "no such folder"), ("someorg/somemodel", "download it first")):
+        with pytest.raises(SystemExit):
+            eval_py.main(["--policy", name, "--prompts", "2"])
+        err = capsys.readouterr().err
+        assert says in err and ("huggingface" in err) == (says == "download it first"), err
+
+
+def test_a_default_micro_batch_follows_a_typed_mini_batch():
+    """Issue 61.3: --mini-batch 8 alone was refused (the tiny default micro-batch is 16)."""
+    from engine import cli
+    cfg = train.derive(*cli.parse(train.Config, ["--mini-batch", "8"]))
+    assert (cfg.mini_batch, cfg.micro_batch) == (8, 8)
+    cfg = train.derive(*cli.parse(train.Config, ["--mini-batch", "8", "--micro-batch", "4"]))
+    assert (cfg.mini_batch, cfg.micro_batch) == (8, 4)
+
+
+def test_resume_of_a_finished_run_writes_nothing(base_run, tmp_path, capsys):
+    """Issue 61.5: --resume of a finished run rewrote config.json and final/train_config.json, doing no work."""
+    run = tmp_path / "copy"
+    shutil.copytree(base_run, run)
+    before = snapshot(run)
+    assert train.main(["--resume", str(run)]) == run
+    assert "the run is complete (2 iterations)" in capsys.readouterr().out
+    assert snapshot(run) == before
+
+
+def test_eval_prints_only_what_a_rollout_renders(capsys):
+    """Issue 61.5: eval printed the engine's switches ('cuda_graphs': True) on a CPU."""
+    eval_py.main(["--env", "bandit", "--policy", "random", "--prompts", "2"])
+    out = capsys.readouterr().out
+    assert "cuda_graphs" not in out and "kv_cache" not in out and "'max_turns': 5" in out
 
 
 def test_resume_without_a_checkpoint_starts_afresh_and_says_so(base_run, tmp_path, capsys):

@@ -43,7 +43,9 @@ def test_train_smoke_writes_metrics_dumps_checkpoint_and_final(bandit_tiny, tmp_
     run([str(ROOT / "train.py"), "--env", "bandit", "--no-think", "--model", bandit_tiny, "--lr", "1e-3",
          "--steps", "2", "--prompts", "8", "--rollouts", "4", "--filter", "0.5", "--eval-every", "2",
          "--eval-prompts", "8", "--out", str(out)], tmp_path)
-    rows = read_jsonl(out / "metrics.jsonl")
+    start, *rows = read_jsonl(out / "metrics.jsonl")
+    assert start["step"] == 0 and "eval/success" in start  # the start's eval: the level the run must beat
+    assert (out / "trajectories-000000.txt").is_file()
     assert [r["step"] for r in rows] == [1, 2]
     trained = [r for r in rows if r["train/skipped_zero_std"] == 0]
     assert trained, "the small policy should give some reward spread on bandit"
@@ -185,6 +187,24 @@ def test_plot_writes_png(bandit_tiny, tmp_path):
     run([str(ROOT / "tools" / "plot.py"), str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(png)],
         tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    # issue 61: an existing PNG is replaced only with --overwrite; a run's start (iteration 0) is drawn dashed
+    again = [str(ROOT / "tools" / "plot.py"), str(tmp_path / "a"), "--out", str(png)]
+    assert run(again, tmp_path, check=False).returncode == 2
+    start = {"step": 0, "eval/success": 0.15, "eval/success_lo": 0.1, "eval/success_hi": 0.2}
+    lines = (tmp_path / "a" / "metrics.jsonl").read_text()
+    (tmp_path / "a" / "metrics.jsonl").write_text(json.dumps(start) + "\n" + lines)
+    run(again + ["--overwrite"], tmp_path)
+    from tools.plot import plot_runs
+    import matplotlib.pyplot as plt
+    real_close, drawn = plt.close, []
+    plt.close = lambda fig=None: drawn.append(fig) or real_close(fig)
+    try:
+        plot_runs([str(tmp_path / "a")], str(tmp_path / "q.png"))
+    finally:
+        plt.close = real_close
+    eval_ax = drawn[0].axes[4]
+    assert any(list(line.get_ydata()) == [0.15, 0.15] and line.get_linestyle() == "--" for line in eval_ax.lines)
+    assert all(ax.get_ylabel() for ax in drawn[0].axes)
 
 
 def test_paper_switches_in_config_and_help():
@@ -305,3 +325,18 @@ def test_the_readme_commands_run_in_order_without_a_collision():
             assert any(reads.startswith(o + "/") or reads == o for o in outs), (c, outs)
         outs.append(cfg.out)
     assert len(outs) == len(set(outs)), outs
+
+
+def test_one_bf16_iteration_on_a_random_llama(random_llama, tmp_path):
+    """--dtype bf16 (what auto picks for a hub model on a CPU with native bf16, and on CUDA) on a Llama with
+    LoRA: rollouts through the engine's bf16 weight copies, the update under bf16 autocast with fp32 weights;
+    the run's first line says bf16, and the weights stay fp32."""
+    out = tmp_path / "run"
+    p = run([str(ROOT / "train.py"), "--env", "bandit", "--model", random_llama, "--dtype", "bf16",
+             "--lora-rank", "4", "--steps", "1", "--prompts", "2", "--rollouts", "4", "--max-new-tokens", "12",
+             "--filter", "1.0", "--eval-prompts", "4", "--out", str(out)], tmp_path)
+    assert p.stdout.splitlines()[0].endswith("| cpu, bf16"), p.stdout.splitlines()[0]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and all("eval/success" in r for r in rows)
+    saved = json.loads((out / "final" / "config.json").read_text())
+    assert saved.get("dtype", saved.get("torch_dtype")) in ("float32", None)

@@ -1,6 +1,7 @@
 """Benchmarks, one section per concept (speed and memory targets live here, never in timed tests).
 
-    python tools/bench.py [fused] [rollout] [prefix] [prior] [gpu]      (default: every section; gpu needs CUDA)
+    python tools/bench.py [fused] [rollout] [prefix] [prior] [gpu] [cpu]   (default: every section but cpu;
+                                                                           gpu needs CUDA)
 
   fused    the fused chunked log-prob/entropy path against full logits at Qwen2.5-0.5B's head: time, peak memory
   rollout  generated tokens/s of the engine against the reference path (re-prefill; one episode at a time),
@@ -9,6 +10,8 @@
   prior    the untrained policy's format rate, valid actions and success on every env
   gpu      the GPU check: decode ms/step eager and as CUDA graphs, PPO at the paper's budgets with and without
            a memory cap, one JSON line per configuration (details: docs/engine.md)
+  cpu      a hub-size --model (SmolLM2) on this CPU, fp32 against bf16: decode ms/step beside its matmul floor,
+           one 32 x 300-token update (python tools/bench.py cpu --model models/smollm2-135m-instruct --threads 2)
 Each section prints medians of --repeats runs and ratios measured in the same run. Peak memory: CUDA's
 allocator statistics; on a CPU the process's peak RSS (Linux VmHWM, reset before each call). The measured code
 runs with --threads 1 by default: 2 threads made small models erratic and up to 10x slower on 2-core machines.
@@ -578,12 +581,95 @@ def bench_gpu(args) -> dict:
     return {"configs": results}
 
 
+# ----------------------------------------------------------------------------------------------------------
+# Section: cpu (a hub-size model on a laptop: fp32 against bf16)
+# ----------------------------------------------------------------------------------------------------------
+
+def _matmul_floor_ms(model, rows: int, dtype: torch.dtype, repeats: int) -> float:
+    """One decode step's matmuls alone at `rows` rows: every decoder layer's seven projections and the LM head,
+    on weights of the model's shapes in `dtype` (no attention, no sampling, no Python of the engine): the floor
+    a decode step of this model cannot beat on this machine."""
+    import torch.nn.functional as F
+    shapes = [m.weight.shape for layer in model.model.layers for m in layer.modules()
+              if isinstance(m, torch.nn.Linear)] + [model.get_output_embeddings().weight.shape]
+    weights = [torch.randn(s, dtype=dtype) * 0.02 for s in shapes]
+    xs = {s[1]: torch.randn(rows, s[1], dtype=dtype) for s in shapes}
+
+    def step():
+        for w in weights:
+            F.linear(xs[w.shape[1]], w)
+    step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(10):
+            step()
+        times.append((time.perf_counter() - t0) / 10 * 1e3)
+    return statistics.median(times)
+
+
+def _update_s(model, tok, args) -> float:
+    """One optimizer step of `starpo.update` on 32 sequences of --cpu-update-tokens tokens (a mini-batch of the
+    paper's size), micro-batches of 4, under the process's autocast; median seconds of --repeats."""
+    from engine.models import autocast_dtype
+    from starpo import Batch, UpdateConfig, update
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(10, len(tok), (32, args.cpu_update_tokens), generator=g)
+    mask = torch.zeros(ids.shape)
+    mask[:, args.cpu_update_tokens // 2:] = 1  # the second half sampled, as a reply after its prompt
+    batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask,
+                  advantages=torch.randn(ids.shape, generator=g) * mask)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-6)
+    ucfg = UpdateConfig(mini_batch=32, micro_batch=4)
+    model.train()
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        update(model, opt, batch, ucfg, autocast_dtype=autocast_dtype(torch.device("cpu")))
+        times.append(time.perf_counter() - t0)
+    model.eval()
+    return statistics.median(times)
+
+
+def bench_cpu(args) -> dict:
+    """--model (SmolLM2-135M-Instruct from tools/fetch_smollm2.py) on this CPU, fp32 then bf16 in one process:
+    the engine's decode step at --cpu-rows rows (_decode_ms) beside the matmul floor of that step in the same
+    dtype, and one update of 32 x --cpu-update-tokens tokens (LoRA rank 8 on every linear layer, as the README's
+    SmolLM2 runs). bf16 pays off only where the CPU has it natively (engine/models.native_bf16)."""
+    import copy
+    import json
+    from engine.lora import add_lora
+    from engine.models import native_bf16, setup_device
+    device = torch.device("cpu")
+    base, tok, path = _load(args)
+    rows = args.cpu_rows
+    out = {"model": path, "threads": args.threads, "native_bf16": native_bf16(), "rows": rows}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        setup_device(device, args.threads, dtype=name)
+        dargs = argparse.Namespace(**vars(args))
+        dargs.gpu_prompts, dargs.gpu_rollouts, dargs.gpu_decode_steps = rows // 8, 8, args.cpu_decode_steps
+        decode = _decode_ms(path, dargs, graphs=False)["decode_ms_per_step"]
+        floor = _matmul_floor_ms(base, rows, dtype, args.repeats)
+        model = copy.deepcopy(base)
+        torch.manual_seed(0)
+        add_lora(model, 8, 32.0)
+        out[name] = {"decode_ms_per_step": decode, "matmul_floor_ms": floor, "decode_over_floor": decode / floor,
+                     "update_s": _update_s(model, tok, args)}
+        print(json.dumps({name: out[name]}), flush=True)
+    setup_device(device, args.threads, dtype="fp32")
+    out["bf16_speedup_decode"] = out["fp32"]["decode_ms_per_step"] / out["bf16"]["decode_ms_per_step"]
+    out["bf16_speedup_update"] = out["fp32"]["update_s"] / out["bf16"]["update_s"]
+    print(json.dumps({k: v for k, v in out.items() if k not in ("fp32", "bf16")}), flush=True)
+    return out
+
+
 SECTIONS = {
     "fused": bench_fused,
     "rollout": bench_rollout,
     "prefix": bench_prefix,
     "prior": bench_prior,
     "gpu": bench_gpu,
+    "cpu": bench_cpu,
 }
 
 
@@ -624,11 +710,15 @@ def main(argv=None):
                         help="gpu: the memory cap in GiB (a 24 GB card leaves the allocator about 23.3)")
     parser.add_argument("--gpu-decode-steps", type=int, default=128, help="gpu: decode steps timed per repeat")
     parser.add_argument("--gpu-3b", action="store_true", help="gpu: also GRPO + LoRA 64 on Qwen2.5-3B shapes")
+    parser.add_argument("--cpu-rows", type=int, default=64, help="cpu: rows decoded together (8 x 8)")
+    parser.add_argument("--cpu-update-tokens", type=int, default=300, help="cpu: tokens per updated sequence")
+    parser.add_argument("--cpu-decode-steps", type=int, default=32, help="cpu: decode steps timed per repeat")
     args = parser.parse_args(argv)
     unknown = [s for s in args.sections if s not in SECTIONS]
     counts = ["threads", "repeats", "fused_seqs", "fused_seq_len", "fused_hidden", "fused_vocab", "rollout_prompts",
               "prefix_rows", "prior_episodes", *QWEN_05B, "gpu_prompts", "gpu_reply", "gpu_iterations", "gpu_decode_steps",
-              "gpu_eval_prompts"]
+              "gpu_eval_prompts", "cpu_rows", "cpu_update_tokens",
+              "cpu_decode_steps"]
     try:
         cli.check([(not unknown, f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")]
                   + [(getattr(args, k) >= 1, f"--{k.replace('_', '-')} {getattr(args, k)}: must be >= 1")
@@ -643,7 +733,7 @@ def main(argv=None):
         temps = [cli.finite_float(t) for t in args.prior_temperatures.split(",")]
         cli.check([(all(t >= 0 for t in temps), f"--prior-temperatures {args.prior_temperatures}: must be >= 0")])
         from engine.models import pick_device
-        sections = args.sections or list(SECTIONS)
+        sections = args.sections or [s for s in SECTIONS if s != "cpu"]  # cpu: asked for by name
         if args.device is None and not torch.cuda.is_available() and "gpu" in sections:
             if args.sections:  # asked for by name: say at once why it cannot run here
                 cli.fail("gpu: no CUDA device here; it measures a GPU (to try it on a CPU with small "

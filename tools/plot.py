@@ -1,6 +1,6 @@
 """The Echo Trap at a glance (paper section 4.1, Figure 4): one PNG of several runs' metrics.
 
-    python tools/plot.py runs/a runs/b [--out echo.png]
+    python tools/plot.py runs/a runs/b [--out echo.png] [--overwrite]
 
 Reads each run folder's metrics.jsonl and config.json and draws the four signals the paper watches for the
 collapse (average reward, in-group reward std, grad norm, entropy) and eval success with its 95% interval;
@@ -20,13 +20,15 @@ import sys
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import cli  # noqa: E402
 
-PLOT_KEYS = [("rollout/reward_mean", "average reward", None), ("rollout/in_group_std", "in-group reward std",
-                                                                  "std_collapse"),
-             ("train/grad_norm", "grad norm", "grad_spike"), ("train/entropy", "entropy", "entropy_swing"),
-             ("eval/success", "eval success (95% CI)", None)]
+# (metric, panel title, the monitor's signal on it, the y axis)
+PLOT_KEYS = [("rollout/reward_mean", "average reward", None, "reward per trajectory"),
+             ("rollout/in_group_std", "in-group reward std", "std_collapse", "std of a group's rewards"),
+             ("train/grad_norm", "grad norm", "grad_spike", "gradient norm (before clip)"),
+             ("train/entropy", "entropy", "entropy_swing", "nats per sampled token"),
+             ("eval/success", "eval success (95% CI; dashed: the start)", None, "success rate")]
 # drawn when a run has it (template collapse)
-MI_KEY = ("collapse/mi", "MI(prompt; reasoning)", "mi_collapse")
-RETRIEVAL_KEY = ("collapse/retrieval_acc", "prompt retrieval (dashed: chance)", None)  # MI's readable twin
+MI_KEY = ("collapse/mi", "MI(prompt; reasoning)", "mi_collapse", "nats")
+RETRIEVAL_KEY = ("collapse/retrieval_acc", "prompt retrieval (dashed: chance)", None, "accuracy")  # MI's twin
 # never named in labels
 PLOT_SAME = {"out", "resume", "overwrite", "plot", "plot_out", "groups", "groups_kept", "device", "threads"}
 
@@ -60,13 +62,17 @@ def run_labels(cfgs: dict) -> tuple[dict, list[str]]:
     return names, differ
 
 
-def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
+def plot_runs(run_dirs: list[str], out_png: str | None, overwrite: bool = False) -> str:
     """The paper's four Echo Trap signals (section 4.1, Figure 4) and eval success of one or more runs, one
-    PNG: the raw per-iteration trace faint, its running mean bold, eval points with their 95% intervals, and a
-    marker where the Echo Trap monitor fired on that signal. Runs are labelled by the settings that differ
-    between them."""
+    PNG: the raw per-iteration trace faint, its running mean bold, eval points with their 95% intervals, the
+    start's eval (iteration 0, train.py's --eval-start) as a dashed line, and a marker where the Echo Trap
+    monitor fired on that signal. Runs are labelled by the settings that differ between them. An existing
+    PNG is replaced only with `overwrite`."""
     runs = read_runs(run_dirs)
-    out_png = str(cli.writable_file(out_png or str(Path(run_dirs[0]) / "echo_trap.png"), "--out"))
+    out_png = out_png or str(Path(run_dirs[0]) / "echo_trap.png")
+    if Path(out_png).exists() and not overwrite:
+        raise ValueError(f"--out {out_png}: exists; nothing is replaced: choose another file, or --overwrite")
+    out_png = str(cli.writable_file(out_png, "--out"))
     cfgs = {run: (cli.read_json(Path(run) / "config.json", run) if (Path(run) / "config.json").is_file()
                   else {})
             for run in runs}
@@ -80,15 +86,19 @@ def plot_runs(run_dirs: list[str], out_png: str | None) -> str:
     fig, axes = plt.subplots(1, len(panels), figsize=(3.6 * len(panels), 3.6))
     for n, (run, rows) in enumerate(runs.items()):
         color, label = f"C{n % 10}", names[run]
-        for ax, (key, title, signal) in zip(axes, panels):
+        for ax, (key, title, signal, unit) in zip(axes, panels):
             have = [r for r in rows if r.get(key) is not None]
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("iteration")
+            ax.set_ylabel(unit, fontsize=9)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
             if not have:
                 continue
             xs, ys = [r["step"] for r in have], [r[key] for r in have]
             if key == "eval/success":
+                start = [r[key] for r in have if r["step"] == 0]
+                if start:  # the starting policy's eval: what the run has to beat
+                    ax.axhline(start[0], color=color, lw=1, ls="--")
                 # max(0, .): Wilson's bound at 100% success can come out a rounding error below 1
                 bars = [[max(0.0, r[key] - r["eval/success_lo"]) for r in have],
                         [max(0.0, r["eval/success_hi"] - r[key]) for r in have]]
@@ -125,9 +135,10 @@ def main(argv=None):
     parser = cli.Parser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="run folders (each holds metrics.jsonl)")
     parser.add_argument("--out", default=None, help="the PNG (default: FIRST_RUN/echo_trap.png)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the PNG if it exists")
     args = parser.parse_args(argv)
     try:
-        print(plot_runs(args.runs, args.out))
+        print(plot_runs(args.runs, args.out, args.overwrite))
     except ValueError as e:
         cli.fail(str(e))
 
