@@ -48,7 +48,7 @@ class Config:
                                                 "models 400/500)", lo=1)
     batch: int | None = cli.flag(None, "episodes decoded together (default: 256, 128 on CUDA)", lo=1)
     seed: int = cli.flag(0, "sampling seed", lo=0, hi=cli.SEED_MAX)
-    samples: int = cli.flag(1, "rollouts per prompt, pooled (paper: 1)", lo=1)
+    samples: int = cli.flag(1, "rollouts per prompt, pooled; pass@k for k = 1, 2, 4, ... (paper: 1)", lo=1)
     device: str = cli.flag("auto", "auto, cpu, cuda or cuda:N")
     threads: int | None = cli.flag(None, "CPU threads (default: tiny 1, hub models all cores)", lo=1)
     dtype: str = cli.flag("auto", "compute dtype: auto (bf16 on CUDA, and on CPUs with native bf16 for hub "
@@ -120,6 +120,13 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def pass_at_k(solved: list[int], n: int, k: int) -> float:
+    """The unbiased pass@k (Chen et al. 2021, as RAGEN's eval reports it): a prompt solved by c of its n
+    samples scores 1 - C(n - c, k) / C(n, k), the chance that k of them drawn without replacement hold a
+    success; averaged over the prompts. pass@1 is the pooled success rate."""
+    return sum(1.0 - math.comb(n - c, k) / math.comb(n, k) for c in solved) / len(solved)
 
 
 def summarize(trajs: list[Trajectory], scripted: bool = False) -> dict:
@@ -223,8 +230,8 @@ def check_envs(cfg: Config) -> list[str]:
          f"first; use 1 or a temperature above 0"),
         (not cfg.webshop_data or "webshop" in envs,
          f"--webshop-data {cfg.webshop_data}: only for the webshop env (evaluating: {', '.join(envs)})"),
-        (not cfg.webshop_data or Path(cfg.webshop_data).is_dir(), f"--webshop-data {cfg.webshop_data}: no such "
-                                                                   f"folder"),
+        (not cfg.webshop_data or Path(cfg.webshop_data).is_dir(),
+         f"--webshop-data {cfg.webshop_data}: no such folder"),
     ])
     return envs
 
@@ -263,14 +270,20 @@ def main(argv=None):
     rows = {}
     for env in envs:
         rcfg, t0, trajs, per_sample = rcfgs[env], time.time(), [], []
+        solved = [0] * cfg.prompts  # each prompt's successes over the samples
         for seed in range(cfg.seed, cfg.seed + cfg.samples):  # one eval per sampling seed
             agent = scripted_agent(cfg.policy, seed, rcfg.max_actions_per_turn)  # None: the model
             m, part = evaluate(env, rcfg, model, tok, agent, cfg.prompts, seed, cfg.batch,
                                overrides if env == "webshop" else None)
             trajs += part
             per_sample.append(m["success"])
+            for i, t in enumerate(part):
+                solved[i] += t.success
         m = summarize(trajs, scripted=cfg.policy in SCRIPTED)
         m["seconds"], m["success_per_sample"] = time.time() - t0, per_sample
+        if cfg.samples > 1:  # k = 1 and every power of two up to the samples
+            ks = [2 ** j for j in range(cfg.samples.bit_length()) if 2 ** j <= cfg.samples]
+            m["pass_at_k"] = {str(k): pass_at_k(solved, cfg.samples, k) for k in ks}
         rows[env] = m
         print(eval_line(env, m, per_sample), file=sys.stderr)
         for t in trajs[:cfg.dump]:

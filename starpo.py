@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -212,17 +213,18 @@ class UpdateConfig:
     dual_clip: float | None = None  # beyond the paper
     fused: bool = True  # engine/logprobs.py's chunked path
     chunk_size: int = 1024
+    policy_loss: Callable | None = None  # `policy_loss`'s stand-in, same arguments (train.py's points)
 
     @classmethod
-    def of(cls, cfg) -> "UpdateConfig":
-        """train.py's Config -> the update's settings. A KL in the rewards (PPO as the paper ran StarPO) is
-        only measured here, not a loss term."""
+    def of(cls, cfg, policy_loss: Callable | None = None) -> "UpdateConfig":
+        """train.py's Config (and its policy-loss point) -> the update's settings. A KL in the rewards (PPO as
+        the paper ran StarPO) is only measured here, not a loss term."""
         kl_coef = 0.0 if cfg.kl_in_reward else cfg.kl_coef
         return cls(mini_batch=cfg.mini_batch, micro_batch=cfg.micro_batch, clip_low=cfg.clip_low,
                    clip_high=cfg.clip_high, agg=cfg.loss_agg, entropy_coef=cfg.entropy_coef,
                    kl_coef=kl_coef, kl_kind=cfg.kl_kind, value_clip=cfg.value_clip,
                    max_grad_norm=cfg.grad_clip, temperature=cfg.temperature,
-                   dual_clip=cfg.dual_clip or None, fused=cfg.fused)
+                   dual_clip=cfg.dual_clip or None, fused=cfg.fused, policy_loss=policy_loss)
 
 
 # ---- update
@@ -283,8 +285,9 @@ def update(policy: nn.Module, optimizer: torch.optim.Optimizer, batch: Batch, cf
                 old_logp = mi.old_logp if mi.old_logp is not None else logp.detach()  # ratio 1
                 if mi.rollout_logp is not None:  # the train-inference mismatch
                     drift = add_drift(drift, old_logp, mi.rollout_logp, mi.loss_mask)
-                pg, pm = policy_loss(logp, old_logp, mi.advantages, mi.loss_mask, cfg.clip_low, cfg.clip_high,
-                                     cfg.agg, denom=denom, dual_clip=cfg.dual_clip)
+                pg_loss = cfg.policy_loss or policy_loss  # an option's (GSPO's sequence ratios), or PPO's
+                pg, pm = pg_loss(logp, old_logp, mi.advantages, mi.loss_mask, cfg.clip_low, cfg.clip_high,
+                                 cfg.agg, denom=denom, dual_clip=cfg.dual_clip)
                 loss = pg - cfg.entropy_coef * aggregate(ent, mi.loss_mask, cfg.agg, denom)
                 if has_ref:
                     kl_tok = kl_penalty(logp, mi.ref_logp, cfg.kl_kind)  # [b, T]

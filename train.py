@@ -124,6 +124,13 @@ class Config:
     gigpo_weight: float = option(1.0, "--algo gigpo: the step-level weight", lo=0)
     gigpo_gamma: float = option(0.95, "--algo gigpo: the step-level discount", gt=0, hi=1)
     gigpo_mode: str = option("mean_norm", "--algo gigpo: the step groups' normalisation", choices=GIGPO)
+    rollout_correction: str = option("none", "rollout-vs-update mismatch: tis (verl, TRL), mask (SkyRL)",
+                                     choices=["none", "tis", "mask"])
+    rollout_correction_cap: float = option(2.0, "its C: weights <= C; the mask keeps [1/C, C]", lo=1)
+    ratio_level: str = option("token", "PPO's ratio per token (the paper) or sequence (GSPO)",
+                              choices=["token", "sequence"])
+    gspo_clip_low: float = option(3e-4, "--ratio-level sequence: GSPO's eps_low", gt=0, lt=1)
+    gspo_clip_high: float = option(4e-4, "--ratio-level sequence: GSPO's eps_high", gt=0)
     # ---- the run, the model, memory
     seed: int = flag(0, "seed of everything (rooms, sampling, batch order)", lo=0, hi=cli.SEED_MAX)
     out: str | None = flag(None, "run folder (default: runs/ENV-ALGO-sSEED, preset, digest)")
@@ -240,12 +247,14 @@ def paper_filter(group_rewards: torch.Tensor, cfg: Config):
 
 def extension_points(cfg: Config, run: dict) -> dict:
     """The loop's named points: the filter, the estimator (--algo, from
-    advantages.ESTIMATORS), and hooks after the rollout and after the update,
-    `hook(it, trajs, metrics) -> a reason to stop, or None` (the paper has none). An
-    option beyond the paper plugs in here (extras/options.py); `run` holds what a hook
-    may use (policy, optimizers, ...)."""
+    advantages.ESTIMATORS), the policy loss (None: starpo.policy_loss), and hooks
+    (the paper has none): after the rollout and after the update, `hook(it, trajs,
+    metrics) -> a reason to stop, or None`; after the batch is built, `hook(batch,
+    metrics)`, which may reweight or mask it. An option beyond the paper plugs in here
+    (extras/options.py); `run` holds what a hook may use (policy, optimizers, ...)."""
     points = {"filter": paper_filter, "estimator": estimator(cfg.algo),
-              "after_rollout": [], "after_update": []}
+              "policy_loss": None, "after_rollout": [], "after_batch": [],
+              "after_update": []}
     if cli.opt_ins(cfg):
         from extras.options import plug
         plug(cfg, points, run)
@@ -319,9 +328,10 @@ def prepare_batch(kept, cfg: Config, points: dict, models: dict, pad_id: int,
             return logp.float()
         return dist.map_rows(fn, ids, attn, cfg.micro_batch)
 
-    # one optimizer step on fresh rollouts has ratio 1: no old_logp pass
+    # one optimizer step on fresh rollouts has ratio 1: no old_logp pass (but for a
+    # hook after the batch, which may read it)
     one_step = len(ids) <= cfg.mini_batch and cfg.ppo_epochs == 1
-    one_step = one_step and not cfg.kl_in_reward
+    one_step = one_step and not cfg.kl_in_reward and not points["after_batch"]
     policy, ref, critic = models["policy"], models["ref"], models["critic"]
     old_logp = ref_logp = values = None
     with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
@@ -342,6 +352,8 @@ def prepare_batch(kept, cfg: Config, points: dict, models: dict, pad_id: int,
                   old_values=values, prefix_len=pre, rollout_logp=sampled)
     adv, returns, metrics = points["estimator"](kept, rows, batch, cfg)
     batch.advantages, batch.returns = adv, returns
+    for hook in points["after_batch"]:
+        hook(batch, metrics)
     return batch, metrics
 
 
@@ -411,8 +423,7 @@ def main(argv=None):
             restore_models(ck, state, policy, critic, cfg.lora_rank > 0,
                            f"--resume {cfg.out}")
 
-        # ---- 3. the update's objects, the extension points
-        ucfg = UpdateConfig.of(cfg)
+        # ---- 3. the extension points, the update's objects
         train_rcfg = RolloutConfig.of(cfg, cfg.temperature)
         eval_rcfg = RolloutConfig.of(cfg, cfg.eval_temperature)
         # DDP (torchrun) wraps what update() calls, not the HF model
@@ -421,10 +432,10 @@ def main(argv=None):
         train_critic = dist.ddp(critic, device)
         models = {"policy": policy, "ref": ref, "critic": critic}
         run = dict(policy=policy, train_policy=train_policy, tok=tok,
-                   rcfg=train_rcfg, env_kw=env_kw, amp=amp, ucfg=ucfg,
-                   optimizers=optimizers,
+                   rcfg=train_rcfg, env_kw=env_kw, amp=amp, optimizers=optimizers,
                    seed=functools.partial(seed_of, cfg))
         points = extension_points(cfg, run)
+        ucfg = run["ucfg"] = UpdateConfig.of(cfg, points["policy_loss"])
         kept_metrics = []
         if ck is not None:  # its optimizers (an option's too), monitor, log
             restore_optimizers(state, optimizers)

@@ -42,6 +42,8 @@ def step_line(m: dict, steps: int) -> str:
 def eval_line(env: str, m: dict, per_sample: list[float]) -> str:
     """eval.py's line per env (to stderr): success with its interval, each sample's when several, actions."""
     each = f" (per sample: {' '.join(f'{x:.3f}' for x in per_sample)})" if len(per_sample) > 1 else ""
+    if "pass_at_k" in m:
+        each += " " + " ".join(f"pass@{k} {v:.3f}" for k, v in m["pass_at_k"].items())
     return (f"{env}: success {m['success']:.3f} [{m['success_lo']:.3f}, {m['success_hi']:.3f}]{each} "
             f"actions {m['num_actions']:.2f} valid {m['valid_action']:.3f} effective "
             f"{m['effective_action']:.3f} format {m['format']:.3f} ({m['seconds']:.0f}s)")

@@ -20,7 +20,8 @@ PLUGS = {  # an option (a Config field of train.py) -> the module here that plug
     "filter_strategy": "extras.filter_rules", "filter_metric": "extras.filter_rules",
     "filter_include_zero": "extras.filter_rules", "filter_empty_stop": "extras.filter_rules",
     "turn_rewards": "extras.turn_credit", "bi_level_gae": "extras.turn_credit",
-    "collapse_every": "extras.collapse", "hindsight_imitation": "extras.hindsight"}
+    "collapse_every": "extras.collapse", "hindsight_imitation": "extras.hindsight",
+    "rollout_correction": "extras.rollout_correction", "ratio_level": "extras.gspo"}
 
 
 def plug(cfg, points: dict, run: dict) -> None:
@@ -46,7 +47,11 @@ def rules(cfg, explicit: set[str] = frozenset()) -> list[tuple[bool, str]]:
                   ("collapse_samples", "--collapse-every K", cfg.collapse_every > 0),
                   ("imitation_demos", "--hindsight-imitation K (K >= 1)", cfg.hindsight_imitation > 0),
                   *[(k, "--algo gigpo", cfg.algo == "gigpo")
-                    for k in ("gigpo_weight", "gigpo_gamma", "gigpo_mode")]]
+                    for k in ("gigpo_weight", "gigpo_gamma", "gigpo_mode")],
+                  ("rollout_correction_cap", "--rollout-correction tis or mask",
+                   cfg.rollout_correction != "none"),
+                  *[(k, "--ratio-level sequence", cfg.ratio_level == "sequence")
+                    for k in ("gspo_clip_low", "gspo_clip_high")]]
     return [(switch or not changed(cfg, name), f"--{name.replace('_', '-')} {getattr(cfg, name)}: only with "
                                                f"{needs} (it changes nothing without)")
             for name, needs, switch in companions] + [
@@ -89,6 +94,12 @@ def describe(cfg) -> tuple[str, bool]:
     parts = []
     if cfg.hindsight_imitation:
         parts.append(f"hindsight imitation x{cfg.hindsight_imitation} (GCSL, beyond the paper)")
+    if cfg.rollout_correction != "none":
+        parts.append(f"rollout correction {cfg.rollout_correction}, cap {cfg.rollout_correction_cap:g} "
+                     f"({'verl, TRL' if cfg.rollout_correction == 'tis' else 'SkyRL'}; beyond the paper)")
+    if cfg.ratio_level == "sequence":
+        eps = f"{cfg.gspo_clip_low:g}/{cfg.gspo_clip_high:g}"
+        parts.append(f"sequence-level ratios, clip {eps} (GSPO, beyond the paper)")
     if cfg.algo == "gigpo":
         parts.append(f"GiGPO step-level advantages (w {cfg.gigpo_weight:g}, gamma {cfg.gigpo_gamma:g}, "
                      f"{cfg.gigpo_mode}; verl-agent, beyond the paper)")
@@ -96,5 +107,6 @@ def describe(cfg) -> tuple[str, bool]:
         parts.append(f"{', '.join(later)} (RAGEN's later code)")
     if cfg.collapse_every:
         parts.append(f"collapse metrics every {cfg.collapse_every} (RAGEN-2, measured only)")
-    modified = bool(later) or cfg.algo == "gigpo" or cfg.hindsight_imitation > 0
+    modified = bool(later) or cfg.algo == "gigpo" or cfg.hindsight_imitation > 0 or \
+        cfg.rollout_correction != "none" or cfg.ratio_level == "sequence"
     return "".join(f" + {p}" for p in parts), modified

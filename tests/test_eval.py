@@ -64,3 +64,28 @@ def test_eval_runs_in_chunks_of_128_rows_on_cuda(monkeypatch):
     monkeypatch.setattr(eval_py, "eval_batch", lambda device: 128)
     eval_py.evaluate("bandit", None, agent=object(), prompts=256)
     assert sizes == [128, 128]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 6, 8])
+def test_pass_at_k_equals_brute_force_enumeration(n):
+    """The unbiased pass@k against counting every k-subset of a prompt's n samples."""
+    import itertools
+    from eval import pass_at_k
+    g = torch.Generator().manual_seed(n)
+    outcomes = [[int(x) for x in torch.randint(0, 2, (n,), generator=g)] for _ in range(5)] + [[0] * n, [1] * n]
+    for k in range(1, n + 1):
+        brute = []
+        for samples in outcomes:
+            subsets = list(itertools.combinations(samples, k))
+            brute.append(sum(any(s) for s in subsets) / len(subsets))
+        assert pass_at_k([sum(s) for s in outcomes], n, k) == pytest.approx(sum(brute) / len(brute))
+
+
+def test_eval_reports_pass_at_k_for_powers_of_two(tmp_path):
+    out = tmp_path / "e.json"
+    import eval as eval_py
+    eval_py.main(["--env", "bandit", "--policy", "random", "--prompts", "8", "--samples", "6", "--json", str(out)])
+    res = json.loads(out.read_text())["results"]["bandit"]
+    assert list(res["pass_at_k"]) == ["1", "2", "4"]
+    assert res["pass_at_k"]["1"] == pytest.approx(res["success"])
+    assert res["pass_at_k"]["1"] <= res["pass_at_k"]["2"] <= res["pass_at_k"]["4"] <= 1

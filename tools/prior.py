@@ -27,8 +27,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.nn as nn
+# A warm start on all cores while other work runs too: with libgomp's default (spinning) wait, a step of
+# ~6 s took 40-170 s whenever another process held a core (measured, 2 cores); waiting passively kept it at
+# 8-9 s. OpenMP reads this when torch loads, hence here; a value already set wins. The tiny prior runs on
+# one thread: no parallel region, no effect.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
 
 import sys
 
@@ -36,7 +42,7 @@ import sys
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine import cli  # noqa: E402
 from engine.logprobs import pad_segments  # noqa: E402
-from engine.models import PRIOR_DIR  # noqa: E402
+from engine.models import DTYPES, PRIOR_DIR, default_threads  # noqa: E402
 
 TINY_VERSION = 3  # part of ensure_tiny's cache key: bump after a change of the warm-up code itself
 TINY_MODEL = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -313,23 +319,6 @@ WARM_MIX = {"bandit": 3, "sokoban": 2, "frozenlake": 2}  # segments per step (Ba
 WARM_VERSION = 1  # in the checkpoint's settings: bump after a change of the recipe's code, so none resumes
 
 
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX): there a bf16 matmul runs ~7x faster than
-    fp32 (measured on a 2-core EPYC: 2.5 against 0.37 TFLOP/s); elsewhere it is emulated, slower than fp32."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:  # not Linux: no way to tell here, so fp32
-        return False
-    return re.search(r"\b(avx512_bf16|amx_bf16)\b", flags) is not None
-
-
-def warm_dtype(name: str, device: torch.device):
-    """--dtype -> the autocast dtype, None for fp32. auto: bf16 on CUDA and on a CPU with native bf16."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" or native_bf16() else None
-    return torch.bfloat16 if name == "bf16" else None
-
-
 def warm_batch(tok, seed: int, step: int) -> list:
     """Step `step`'s segments (rollout.Segment): WARM_MIX random-agent episodes per env, each in a random
     think mode, as the whole conversation (3/4) or the 1-turn window of one random turn (1/4), rendered by
@@ -547,10 +536,11 @@ class Config:
     lora_rank: int | None = cli.flag(None, f"warm start: LoRA rank (default: {WARM['lora_rank']})", lo=1)
     lora_alpha: float | None = cli.flag(None, f"warm start: LoRA alpha (default: {WARM['lora_alpha']:g})",
                                         gt=0)
-    dtype: str = cli.flag("auto", "warm start: autocast dtype, fp32 master weights; auto = bf16 on CUDA and "
-                                  "on CPUs with native bf16 (AVX512-BF16, AMX), else fp32",
-                          choices=("auto", "bf16", "fp32"))
-    threads: int | None = cli.flag(None, "warm start: CPU threads (default: all cores)", lo=1)
+    dtype: str = cli.flag("auto", "warm start: autocast dtype, fp32 master weights; auto = bf16 on CUDA and, "
+                                  "for a hub-size model, on CPUs with native bf16 (AVX512-BF16, AMX)",
+                          choices=DTYPES)
+    threads: int | None = cli.flag(None, "warm start: CPU threads (default: all cores; the tiny prior's size "
+                                         "1)", lo=1)
     device: str = cli.flag("auto", "warm start: auto, cpu, cuda or cuda:N")
     save_every: int | None = cli.flag(None, f"warm start: a checkpoint in OUT.partial every this many steps "
                                             f"(default: {WARM['save_every']})", lo=1)
@@ -563,7 +553,7 @@ WARM_ONLY = ("lr", "lora_rank", "lora_alpha", "dtype", "threads", "device", "sav
 def check_warm(cfg, explicit: set[str]):
     """Every input of a warm start checked and the model loaded, before anything is written.
     -> (out, OUT.partial, model, tokenizer, autocast dtype, settings, checkpoint or None)."""
-    from engine.models import load_policy, pick_device
+    from engine.models import choose_dtype, load_policy, model_kind, pick_device
     typed = [k for k in TINY_ONLY if k in explicit]
     flag = f"--{typed[0].replace('_', '-')}" if typed else ""
     cli.check([(not typed, f"{flag}: only for the tiny prior; a warm start draws fresh episodes every step "
@@ -583,7 +573,9 @@ def check_warm(cfg, explicit: set[str]):
     hidden = getattr(model.config, "hidden_size", None)
     if hidden and cfg.lora_rank > hidden:
         raise ValueError(f"--lora-rank {cfg.lora_rank}: must be <= the model's hidden size {hidden}")
-    amp = warm_dtype(cfg.dtype, device)
+    kind = model_kind(path)
+    amp = torch.bfloat16 if choose_dtype(cfg.dtype, device, kind) == "bf16" else None
+    cli.fill_defaults(cfg, {"threads": default_threads(kind)})
     settings = warm_settings(cfg, path, amp)
     state = read_partial(partial, settings, cfg.out)
     return out, partial, model.to(device), tok, amp, settings, state
@@ -591,15 +583,15 @@ def check_warm(cfg, explicit: set[str]):
 
 def warm_main(cfg, out, partial, model, tok, amp, settings, state) -> None:
     """python tools/prior.py --model M --out OUT, once its inputs are checked."""
+    from engine.models import native_bf16, setup_device
     device = next(model.parameters()).device
-    threads = cfg.threads or os.cpu_count() or 1
-    if device.type == "cpu":
-        torch.set_num_threads(threads)
-    why = "native bf16" if native_bf16() else "no native bf16" if device.type == "cpu" else "CUDA"
+    dtype = "bf16" if amp is not None else "fp32"
+    setup_device(device, cfg.threads, dtype=dtype)  # threads; the final check's rollouts in the same dtype
+    why = "CUDA" if device.type == "cuda" else "native bf16" if native_bf16() else "no native bf16"
+    threads = f", {cfg.threads} threads" if device.type == "cpu" else ""
     print(f"warm start: {cfg.model} -> {out} | LoRA r{cfg.lora_rank} alpha {cfg.lora_alpha:g} | AdamW lr "
-          f"{cfg.lr:g} | {cfg.steps} steps of {json.dumps(WARM_MIX)} segments | "
-          f"{'bf16' if amp is not None else 'fp32'} ({cfg.dtype}: {why}) on {device.type}"
-          f"{f', {threads} threads' if device.type == 'cpu' else ''} | seed {cfg.seed}", flush=True)
+          f"{cfg.lr:g} | {cfg.steps} steps of {json.dumps(WARM_MIX)} segments | {dtype} (--dtype "
+          f"{cfg.dtype}, {why}) on {device.type}{threads} | seed {cfg.seed}", flush=True)
     print(f"resuming from step {state['step']} of {partial}" if state is not None else
           f"a checkpoint every {cfg.save_every} steps in {partial}: after Ctrl-C the same command continues",
           flush=True)
