@@ -97,8 +97,9 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Te
     `dual_clip` c > 1 (verl's clip_ratio_c) caps the loss at -A * c where A < 0. -> (loss, metrics)."""
     check_dual_clip(dual_clip)
     m = mask > 0
-    adv = torch.where(m, advantages.float(), 0.0)  # off the mask A = 0, old = logp: padding never counts
-    old = torch.where(m, old_logp.float(), logp.detach().float())
+    # off the mask A = 0, old = logp: padding never counts; A and the old log-probs are constants (detached)
+    adv = torch.where(m, advantages.detach().float(), 0.0)
+    old = torch.where(m, old_logp.detach().float(), logp.detach().float())
     log_ratio = (logp.float() - old).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)  # [B, T]
     unclipped = -adv * ratio

@@ -1,23 +1,33 @@
 """The course's autograder: each unit's functions against recorded snapshots and properties, on a CPU.
 
-    python course/grade.py                  # units 1-5; a lab is graded only when named (6, 7)
+    python course/grade.py                  # units 1-6; a lab is graded only when named (7, 8)
     python course/grade.py 3 4 --json me.json
+    python course/grade.py 3 --verbose      # a failure shows its inputs too
     python course/grade.py --record         # the instructor: snapshots from the reference code
 
-One line per unit (`unit 3 advantages: pass 14/14`, or the first failure in words), then a total; exit 0
-only when every unit graded passes. Functions are looked up in their modules at call time (`advantages.gae`),
-so a test can swap in a mutated one. A snapshot (course/snapshots/unitN-NAME.json) holds inputs and the
-reference's outputs. Sokoban's BFS and step are checked with `_push` replaced by a recorded table of moves,
-so that a wrong `_push` fails its own checks only. A lab's line says whether the units it runs on pass.
+One line per unit (`unit 3 advantages: pass 21/21 (15/15 points)`, or the first failure in words), then a
+total; exit 0 only when every unit graded passes. Functions are looked up in their modules at call time
+(`advantages.gae`), so a test can swap in a mutated one. A snapshot (course/snapshots/unitN-NAME.json) holds
+inputs and the reference's outputs. Sokoban's BFS and step are checked with `_push` replaced by a recorded
+table of moves, so that a wrong `_push` fails its own checks only. While a unit's function runs, the project
+code it reaches is watched: the unit files' own code (given helpers and the student's) is allowed, the rest of
+the project (extras/, engine/, tests/, course/, the entry scripts), where some code restates a unit, is not
+("Rules" in course/README.md). A lab's line says whether the units it runs on pass.
 """
 from __future__ import annotations
 
+import ast
+import builtins
 import contextlib
+import dataclasses
+import functools
+import inspect
 import json
 import math
 import re
 import signal
 import sys
+import textwrap
 import time
 import traceback
 from pathlib import Path
@@ -32,11 +42,12 @@ import torch  # noqa: E402
 import advantages  # noqa: E402
 import envs  # noqa: E402
 import filter as variance_filter  # noqa: E402  (the module, not the builtin)
+import monitor  # noqa: E402
 import rollout  # noqa: E402
 import starpo  # noqa: E402
 from engine.cli import Parser  # noqa: E402
 from engine.rooms import DIRS  # noqa: E402
-from units import BY_NUMBER, UNITS, handout  # noqa: E402
+from units import BY_NUMBER, GRADED, UNITS, handout  # noqa: E402
 
 SNAPSHOTS = HERE / "snapshots"
 STUDENT_MARK = HERE / "STUDENT_COPY"  # written by make.py: a student copy never records snapshots
@@ -91,6 +102,26 @@ def num(v) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+VERBOSE = False  # --verbose: a failure of GAE, the loss or the aggregation shows its inputs
+
+
+def fmt(x) -> str:
+    """A tensor, list or number in 4 significant digits."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        x = x.double().tolist() if x.is_floating_point() else x.tolist()
+    if isinstance(x, (list, tuple)):
+        return "[" + ", ".join(fmt(v) for v in x) + "]"
+    return num(x)
+
+
+def shown(**named) -> str:
+    """'; inputs: name [..], ..' under --verbose, else ''."""
+    if not VERBOSE:
+        return ""
+    return "; inputs: " + ", ".join(f"{k} {fmt(v)}" for k, v in named.items())
+
+
 def tensor_diff(got, want: torch.Tensor, what: str, atol: float = ATOL, rtol: float = RTOL):
     """None when `got` matches `want` (NaN equals NaN), else (message, index) of the first difference."""
     if not isinstance(got, torch.Tensor):
@@ -121,17 +152,22 @@ def patched(owner, name: str, value):
         setattr(owner, name, old)
 
 
+_ALARM = [""]  # what the running check's time limit says when it fires
+
+
+def _on_alarm(*_):  # module level: the watch below knows this code and lets it run inside a student's code
+    raise OutOfTime(_ALARM[0])
+
+
 @contextlib.contextmanager
 def time_limit(seconds: float, what: str):
     """OutOfTime after `seconds` (on systems with SIGALRM; elsewhere no limit)."""
     if not hasattr(signal, "setitimer"):
         yield
         return
-
-    def alarm(*_):
-        raise OutOfTime(f"{what} did not return within {seconds:g} s (an endless loop? a search that "
-                        f"revisits states?)")
-    old = signal.signal(signal.SIGALRM, alarm)
+    _ALARM[0] = (f"{what} did not return within {seconds:g} s (an endless loop? a search that revisits "
+                 f"states?)")
+    old = signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
@@ -140,38 +176,232 @@ def time_limit(seconds: float, what: str):
         signal.signal(signal.SIGALRM, old)
 
 
+# ---- what a unit's function may reach: the unit files, not the rest of the project. Some of the project
+# restates a unit at more length (extras/filter_rules.py computes select_groups, extras/turn_credit.py's
+# bi_level_gae with one turn is gae, extras/gspo.py's loss with one token per row is policy_loss, the tests'
+# slow loops, the grader's snapshots); a student's function that calls into it passes without the work.
+
+UNIT_FILES = {(ROOT / u["file"]).resolve() for u in UNITS if not u.get("lab")}
+PROJECT_DIRS = {"engine", "extras", "tools", "tests", "course"}
+GIVEN_HELPERS = {("extras/collapse.py", "mi_check")}  # beyond the unit files, a handout names it: allowed
+RESTATES = {  # why a folder or file is out of reach, for the message
+    "extras/filter_rules.py": "RAGEN's filter rules, which compute select_groups",
+    "extras/turn_credit.py": "bi-level GAE, which is gae with one turn",
+    "extras/gspo.py": "GSPO's loss, which is policy_loss with one token per row",
+    "extras/gigpo.py": "GiGPO, whose normalisation is GRPO's",
+    "tests": "the tests' reference loops",
+    "course": "the grader and its snapshots of the reference's outputs"}
+
+
+@functools.lru_cache(maxsize=None)
+def project_file(filename: str) -> str | None:
+    """`filename` relative to ROOT when it is this project's code outside the unit files, else None (the
+    unit files, Python's library, torch, a virtual environment inside the project)."""
+    try:
+        rel = Path(filename).resolve().relative_to(ROOT)
+    except (ValueError, OSError):
+        return None
+    parts = rel.parts
+    ours = (len(parts) == 1 and rel.suffix == ".py") or (len(parts) > 1 and parts[0] in PROJECT_DIRS)
+    return rel.as_posix() if ours and (ROOT / rel).resolve() not in UNIT_FILES else None
+
+
+def unit_callables() -> list[tuple[str, object]]:
+    """(name, the function now in place) of every unit: a test's mutation or the grader's recorded `_push`
+    included, as the modules hold them at this moment."""
+    modules = {"envs.py": envs, "rollout.py": rollout, "advantages.py": advantages, "starpo.py": starpo,
+               "filter.py": variance_filter, "monitor.py": monitor}
+    out = []
+    for unit in UNITS:
+        for func in unit.get("funcs", []):
+            owner = modules[unit["file"]]
+            for part in func.split("."):  # a function renamed or deleted: its checks say so, not this
+                owner = getattr(owner, part, None)
+            if owner is not None:
+                out.append((func, inspect.unwrap(owner)))
+    return out
+
+
+def unit_codes() -> set:
+    return {getattr(fn, "__code__", None) for _, fn in unit_callables()} - {None}
+
+
+def where_from(rel: str) -> str:
+    why = RESTATES.get(rel) or RESTATES.get(rel.split("/")[0])
+    return f"{rel}{f': {why}' if why else ''}"
+
+
+def allowed(code, entry_file: str) -> bool:
+    rel = project_file(code.co_filename)
+    return rel is None or code.co_filename == entry_file or (rel, code.co_name) in GIVEN_HELPERS \
+        or code is _on_alarm.__code__ or code in unit_codes()
+
+
+class Watch:
+    """A profile hook (sys.setprofile) over one check: the first code of the project beyond the unit files
+    that a unit's function reaches, or a file it opens. A module run by an import is not watched (importing
+    computes nothing of a unit)."""
+
+    def __init__(self):
+        self.codes, self.entry, self.entry_file, self.importing, self.found = set(), None, "", None, None
+        self.ok = set()  # codes already allowed in this check (the recorded _push, called thousands of times)
+
+    def hook(self, frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            if self.entry is None:
+                if code in self.codes:
+                    self.entry, self.entry_file = frame, code.co_filename
+            elif self.importing is None and self.found is None:
+                if code.co_name == "<module>":
+                    self.importing = frame
+                elif code in self.ok:
+                    pass
+                elif allowed(code, self.entry_file):
+                    self.ok.add(code)
+                else:
+                    rel = project_file(code.co_filename)
+                    self.found = f"called {code.co_qualname} ({where_from(rel)}) while it ran"
+        elif event == "return":
+            if frame is self.entry:
+                self.entry = None
+            elif frame is self.importing:
+                self.importing = None
+        elif event == "c_call" and arg is builtins.open and self.entry is not None and self.importing is None:
+            self.found = self.found or ("opened a file while it ran (the grader's snapshots hold the "
+                                        "reference's outputs)")
+
+
+@contextlib.contextmanager
+def watching():
+    """The Watch of one check, its hook installed around it (and the previous one, a debugger's, restored)."""
+    watch = Watch()
+    watch.codes = unit_codes()
+    old = sys.getprofile()
+    sys.setprofile(watch.hook)
+    try:
+        yield watch
+    finally:
+        sys.setprofile(old)
+
+
+def referenced(fn, seen: set) -> list[str]:
+    """Read with ast: what `fn`'s body names (its globals, attribute chains on them, its imports) that is this
+    project's code beyond the unit files, following the helpers it names in its own file."""
+    code = getattr(fn, "__code__", None)
+    if code is None or code in seen:
+        return []
+    seen.add(code)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError, IndentationError):  # a lambda mid-line, a built-in: the watch
+        return []
+    found = []
+    local = {}  # the names the function's own imports bind (`from extras import turn_credit` inside it)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and getattr(node, "level", 0) == 0:
+            for alias in node.names:
+                try:
+                    if isinstance(node, ast.Import):
+                        top = __import__(alias.name)
+                        local[alias.asname or alias.name.split(".")[0]] = \
+                            __import__(alias.name, fromlist=["*"]) if alias.asname else top
+                    elif node.module:
+                        module = __import__(node.module, fromlist=[alias.name])
+                        if hasattr(module, alias.name):
+                            local[alias.asname or alias.name] = getattr(module, alias.name)
+                except Exception:  # noqa: BLE001 -- an import that fails fails the student's own run, loudly
+                    continue
+
+    def check(obj, shown: str):
+        target = inspect.unwrap(obj) if callable(obj) else obj
+        inner = getattr(target, "__code__", None)
+        if inner is None and inspect.isclass(target):
+            try:
+                rel = project_file(inspect.getfile(target))
+            except TypeError:
+                rel = None
+            if rel and rel != project_file(code.co_filename):
+                found.append(f"{shown} ({where_from(rel)})")
+            return
+        if inner is None:
+            return
+        if inner.co_filename == code.co_filename:
+            found.extend(referenced(target, seen))  # a helper of the same file: what it names counts too
+        elif not allowed(inner, code.co_filename):
+            found.append(f"{shown} ({where_from(project_file(inner.co_filename))})")
+
+    def resolve(node):
+        if isinstance(node, ast.Name):
+            for names in (local, fn.__globals__):
+                if node.id in names:
+                    return names[node.id], node.id
+            return None
+        if isinstance(node, ast.Attribute):
+            base = resolve(node.value)
+            if base is not None and hasattr(base[0], node.attr):
+                return getattr(base[0], node.attr), f"{base[1]}.{node.attr}"
+        return None
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            hit = resolve(node)
+            if hit is not None:
+                check(*hit)
+    for name, obj in local.items():
+        check(obj, name)
+    return list(dict.fromkeys(found))
+
+
+def shortcut_message(func: str, what: str) -> str:
+    return (f"{func} {what}: the project's code beyond the unit files is out of reach (some of it restates "
+            f"the units); write the unit yourself, calling only the unit files' own helpers "
+            f"(course/README.md, \"Rules\")")
+
+
 class Report:
     """One unit's checks: each passes, fails with a message, or meets a stub (the function is missing)."""
 
     def __init__(self, unit: dict):
-        self.unit, self.passed, self.total = unit, 0, 0
+        self.unit, self.passed, self.total, self.stubbed = unit, 0, 0, 0
         self.failures: list[str] = []
         self.missing: list[str] = []
         self.hung: dict[str, str] = {}
         self.skipped: list[str] = []  # checks this machine cannot run, and why
 
-    def check(self, func: str, fn, seconds: float = CHECK_SECONDS) -> None:
-        """fn() -> None (pass) or what is wrong, in words; `func` names the function it calls first."""
+    def static(self) -> None:
+        """Each unit function that names the project's code beyond the unit files fails one check."""
+        funcs = dict(unit_callables())
+        for func in self.unit["funcs"]:
+            for what in referenced(funcs.get(func), set()):
+                self.total += 1
+                self.failures.append(shortcut_message(func, f"names {what}"))
+
+    def check(self, func: str, fn, seconds: float = CHECK_SECONDS, case: str | None = None) -> None:
+        """fn() -> None (pass) or what is wrong, in words; `func` names the function it calls first, `case`
+        the inputs (named in an exception's message)."""
+        at = f"{func} ({case})" if case else func
         if func in self.hung:
             msg = self.hung[func]
         else:
             try:
-                with time_limit(seconds, func):
+                with watching() as watch, time_limit(seconds, func):
                     msg = fn()
+                if watch.found:
+                    msg = shortcut_message(at, watch.found)
             except NotImplementedError as e:
                 stub = re.match(r"unit \d+ \(.*?\): implement (\S+) --", str(e))
                 if stub:
                     if stub.group(1) not in self.missing:
                         self.missing.append(stub.group(1))
+                    self.stubbed += 1
                     return
-                msg = f"{func} raised NotImplementedError: {e}"
+                msg = f"{at} raised NotImplementedError{raised_where(e, func)}: {e}"
             except OutOfTime as e:
                 msg = self.hung[func] = str(e)
-            except Exception as e:  # the student's code raised: say what, and where in the project's files
+            except Exception as e:  # the student's code raised: the case, the student's line, the error
                 first = (str(e).strip().splitlines() or [""])[0][:200]
-                frames = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).parent == ROOT]
-                where = f" ({Path(frames[-1].filename).name} line {frames[-1].lineno})" if frames else ""
-                msg = f"{func} raised {type(e).__name__}{where}: {first}"
+                msg = f"{at} raised {type(e).__name__}{raised_where(e, func)}: {first}"
         self.total += 1
         if msg is None:
             self.passed += 1
@@ -181,21 +411,39 @@ class Report:
     def result(self) -> dict:
         u = self.unit
         status = "not implemented" if self.missing else "pass" if not self.failures else "fail"
-        tally = f"{'pass' if not self.failures else 'FAIL'} {self.passed}/{self.total}"
+        checks = self.total + self.stubbed  # a stub's checks count, unpassed
+        points = round(u["points"] * self.passed / checks, 1) if checks else 0.0
+        score = f"({points:g}/{u['points']} points)"
+        tally = f"{'pass' if not self.failures else 'FAIL'} {self.passed}/{self.total} {score}"
         if self.failures:
             tally += f" -- {self.failures[0]}"
         if self.missing:
             line = f"not implemented -- implement {', '.join(self.missing)} ({handout(u)})"
-            if self.total:
-                line += f"; the rest: {tally}"
+            line += f"; the rest: {tally}" if self.total else f" {score}"
         else:
             line = tally
         if self.skipped:
             line += f" (skipped: {'; '.join(self.skipped)})"
         return {"unit": u["n"], "name": u["name"], "status": status, "passed": self.passed,
                 "total": self.total, "missing": self.missing, "failures": self.failures,
-                "skipped": self.skipped,
+                "skipped": self.skipped, "points": points, "max_points": u["points"],
                 "line": f"unit {u['n']} {u['name']}: {line}"}
+
+
+def raised_where(e: BaseException, func: str) -> str:
+    """' at FILE:LINE `code`' of the traceback's last frame in the file of the function that raised (the
+    student's), else in the project's own files."""
+    fn = dict(unit_callables()).get(func)
+    own = getattr(getattr(fn, "__code__", None), "co_filename", None)
+    frames = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in frames if f.filename == own] or \
+        [f for f in frames if Path(f.filename).resolve().parent == ROOT or project_file(f.filename)]
+    if not mine:
+        return ""
+    f = mine[-1]
+    line = (f.line or "").strip()
+    shown = f" `{line[:80]}{'...' if len(line) > 80 else ''}`" if line else ""
+    return f" at {Path(f.filename).name}:{f.lineno}{shown}"
 
 
 # ---- unit 1: envs.py (_push, sokoban_bfs, SokobanEnv._apply)
@@ -435,11 +683,15 @@ def check_apply(room: dict, case: dict):
 def grade_unit1(snap: dict, rep: Report) -> None:
     rooms = snap["rooms"]
     for room in rooms:
-        rep.check("_push", lambda room=room: check_push(room))
+        rep.check("_push", lambda room=room: check_push(room), case=f"every move in {room['name']}")
     for case in snap["bfs"]:
-        rep.check("sokoban_bfs", lambda case=case: check_bfs(rooms[case["room"]], case))
+        room = rooms[case["room"]]
+        rep.check("sokoban_bfs", lambda case=case: check_bfs(rooms[case["room"]], case),
+                  case=f"{room['name']}, the player at {cell(case['player'], room['width'])}")
     for case in snap["apply"]:
-        rep.check("SokobanEnv._apply", lambda case=case: check_apply(rooms[case["room"]], case))
+        walk = "the expert" if case["kind"] == "solve" else "a walk"
+        rep.check("SokobanEnv._apply", lambda case=case: check_apply(rooms[case["room"]], case),
+                  case=f"{rooms[case['room']]['name']}, {walk}")
 
 
 # ---- unit 2: rollout.py (parse_reply, trained_mask, Segment.append)
@@ -672,15 +924,16 @@ _TOKENIZER = []
 
 
 def grade_unit2(snap: dict, rep: Report) -> None:
-    for cases in snap["parse"].values():
-        rep.check("parse_reply", lambda cases=cases: check_parse(cases))
-    rep.check("parse_reply", check_parse_long, seconds=5)
-    for case in snap["masks"]:
+    for group, cases in snap["parse"].items():
+        rep.check("parse_reply", lambda cases=cases: check_parse(cases), case=group)
+    rep.check("parse_reply", check_parse_long, seconds=5, case=f"{LONG_TAGS} unclosed <think> tags")
+    for k, case in enumerate(snap["masks"]):
         for on in (True, False):
-            rep.check("trained_mask", lambda case=case, on=on: check_mask(case, on))
-    rep.check("trained_mask", check_mask_unknown_system)
-    for case in snap["appends"]:
-        rep.check("Segment.append", lambda case=case: check_append(case))
+            rep.check("trained_mask", lambda case=case, on=on: check_mask(case, on),
+                      case=f"segment {k + 1}, response_mask={on}")
+    rep.check("trained_mask", check_mask_unknown_system, case="system_len -1")
+    for k, case in enumerate(snap["appends"]):
+        rep.check("Segment.append", lambda case=case: check_append(case), case=f"append sequence {k + 1}")
     if not _TOKENIZER:  # loaded once: tests grade this unit many times
         _TOKENIZER.append(prior_tokenizer())
     tok, parses = _TOKENIZER[0], snap["rollout_parses"]
@@ -689,7 +942,8 @@ def grade_unit2(snap: dict, rep: Report) -> None:
                            f"template otherwise than the one that recorded the snapshots")
         return
     for case in snap["rollouts"]:
-        rep.check("Segment.append", lambda case=case: check_rollout(tok, case, parses))
+        rep.check("Segment.append", lambda case=case: check_rollout(tok, case, parses),
+                  case=f"rollout on {case['what']}")
 
 
 # ---- unit 3: advantages.py (grpo_advantages, gae)
@@ -809,6 +1063,8 @@ def check_gae(case: dict):
             k = int(case["mask"][b, :t + 1].sum())
             msg = msg.replace(f" at {list(idx)}", f" of row {b}, token {t}" +
                               (f" (its sampled token {k})" if case["mask"][b, t] else " (off the mask: 0)"))
+            msg += shown(row=b, rewards=case["rewards"][b], values=case["values"][b], mask=case["mask"][b],
+                         yours=got[0][b], expected=case["adv"][b])
         return f"{at}: {msg}; {case['hint']}"
     if not isinstance(got[1], torch.Tensor) or got[1].shape != case["ret"].shape:
         return f"{at}: returns must be a tensor of shape {list(case['ret'].shape)}"
@@ -843,15 +1099,31 @@ def check_gae_property():
                                       f"token's advantage is the sum of the rewards from it on")
 
 
+def check_gae_no_grad():
+    """Values that require grad (a critic's output) give advantages and returns that do not: no gradient
+    flows through them into the critic."""
+    mask = turn_mask([[(0, 3), (5, 8)], [(2, 7)]], 9)
+    rewards = advantages.place_reward_on_last_token(torch.tensor([1.5, -0.5]), mask)
+    values = torch.linspace(-1, 1, 18).reshape(2, 9).requires_grad_(True)
+    adv, ret = advantages.gae(rewards, values, mask, 0.9, 0.95)
+    for name, x in (("advantages", adv), ("returns", ret)):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            return (f"gae with values that require grad (a critic's): the {name} require grad too; compute "
+                    f"them under torch.no_grad(): they are constants of the policy's loss (and the critic's "
+                    f"targets), so no gradient may flow through them into the critic")
+    return None
+
+
 def grade_unit3(snap: dict, rep: Report) -> None:
     for case in snap["grpo"]:
-        rep.check("grpo_advantages", lambda case=case: check_grpo(case))
+        rep.check("grpo_advantages", lambda case=case: check_grpo(case), case=case["name"])
     many = next(c for c in snap["grpo"] if c["name"] == "16 groups of 8")
-    rep.check("grpo_advantages", lambda: check_grpo_properties(many))
+    rep.check("grpo_advantages", lambda: check_grpo_properties(many), case="mean 0, std 1")
     for case in snap["gae"]:
-        rep.check("gae", lambda case=case: check_gae(case))
-    rep.check("gae", check_gae_property)
-    rep.check("gae", check_gae_rejects_misplaced_rewards)
+        rep.check("gae", lambda case=case: check_gae(case), case=case["name"])
+    rep.check("gae", check_gae_property, case="gamma = lam = 1, values 0")
+    rep.check("gae", check_gae_rejects_misplaced_rewards, case="a reward off the mask")
+    rep.check("gae", check_gae_no_grad, case="values that require grad")
 
 
 # ---- unit 4: starpo.py (aggregate, policy_loss, kl_penalty)
@@ -906,8 +1178,7 @@ def record_unit4() -> dict:
     edge = dict(logp=ratios.log().repeat(2, 1), old_logp=torch.zeros(2, 8), mask=torch.ones(2, 8),
                 advantages=torch.tensor([[1.0] * 8, [-1.0] * 8]))
     add_pl("both clip sides, StarPO's 0.2/0.2", edge, pg, clip_low=0.2, clip_high=0.2)
-    add_pl("both clip sides, Clip-Higher 0.2/0.28", edge, f"the ratio is clipped to [1 - clip_low, 1 + "
-           f"clip_high] = [0.8, 1.28], not [0.8, 1.2]: {pg}", clip_low=0.2, clip_high=0.28)
+    add_pl("both clip sides, Clip-Higher 0.2/0.28", edge, pg, clip_low=0.2, clip_high=0.28)
     add_pl("random, token-mean", x, pg)
     add_pl("random, seq-mean-token-mean", x, "aggregate pg with agg", agg="seq-mean-token-mean")
     add_pl("random, seq-mean-token-sum, denom 5", x, "aggregate pg with agg and denom",
@@ -927,13 +1198,132 @@ def record_unit4() -> dict:
     for kind, hint in [("k1", "k1 = logp - ref_logp"), ("k3", k3)]:
         kl.append(dict(kind=kind, logp=a, ref=b, want=starpo.kl_penalty(a, b, kind), hint=hint))
     kl.append(dict(kind=None, logp=b, ref=a, want=starpo.kl_penalty(b, a), hint="the default kind is k3"))
-    return dict(agg=agg, pl=pl, kl=kl)
+    return dict(agg=agg, pl=pl, kl=kl, pl_constants=no_gradient_reaches(starpo.policy_loss) is None)
+
+
+# ---- unit 4's properties: no reference output needed, so a student's result is compared with itself
+
+def clean_loss_inputs() -> dict:
+    """A ragged batch whose padding is benign: A = 0 and old_logp = logp off the mask."""
+    g = torch.Generator().manual_seed(41)  # its own stream: the recorded cases' inputs stay as they were
+    x = loss_inputs(g, 3, 10, [[(0, 4), (6, 9)], [(2, 5)], [(0, 10)]])
+    m = x["mask"] > 0
+    return dict(x, old_logp=torch.where(m, x["old_logp"], x["logp"]),
+                advantages=torch.where(m, x["advantages"], 0.0))
+
+
+def no_gradient_reaches(policy_loss) -> str | None:
+    """The name of the constant input (advantages, old_logp) that a gradient reaches, or None."""
+    x = clean_loss_inputs()
+    logp, old, adv = (x[k].clone().requires_grad_(True) for k in ("logp", "old_logp", "advantages"))
+    loss, _ = policy_loss(logp, old, adv, x["mask"])
+    loss.backward()
+    return next((name for name, t in (("advantages", adv), ("old_logp", old))
+                 if t.grad is not None and bool(t.grad.any())), None)
+
+
+def loss_run(x: dict, kw: dict) -> tuple:
+    logp = x["logp"].clone().requires_grad_(True)
+    loss, metrics = starpo.policy_loss(logp, x["old_logp"].clone(), x["advantages"].clone(),
+                                       x["mask"].clone(), **kw)
+    loss.backward()
+    return loss.detach(), logp.grad if logp.grad is not None else torch.zeros(0), metrics
+
+
+def check_loss_padding():
+    """NaN or large values off the mask change nothing: not the loss, its gradient or a metric."""
+    clean = clean_loss_inputs()
+    off = clean["mask"] == 0
+    junks = [("NaN advantages", dict(advantages=clean["advantages"].masked_fill(off, float("nan")))),
+             ("advantages of 1e6 and log-ratios of 3", dict(
+                 advantages=clean["advantages"].masked_fill(off, 1e6),
+                 old_logp=torch.where(off, clean["logp"] - 3.0, clean["old_logp"])))]
+    for kw in ({}, dict(agg="seq-mean-token-sum", dual_clip=3.0)):
+        want_loss, want_grad, want_metrics = loss_run(clean, kw)
+        for what, junk in junks:
+            x = dict(clean, **junk)
+            loss, grad, metrics = loss_run(x, kw)
+            at = f"policy_loss ({what} off the mask{', ' + str(kw) if kw else ''})"
+            why = ("off the mask set A = 0 and old_logp = logp.detach() first (torch.where): the "
+                   "aggregation's mask is not enough, NaN * 0 is NaN, in the gradient too")
+            for diff in (tensor_diff(loss, want_loss, "the loss"),
+                         tensor_diff(grad, want_grad, "d loss / d logp")):
+                if diff is not None:
+                    return (f"{at}: {diff[0]}, with the padding zeroed; {why}" +
+                            shown(logp=x["logp"], old_logp=x["old_logp"], advantages=x["advantages"],
+                                  mask=x["mask"]))
+            for k in METRICS:
+                got, want = metrics.get(k), want_metrics.get(k)
+                if got is not None and want is not None and not close(float(got), float(want)):
+                    return (f"{at}: metrics['{k}'] is {num(float(got))}, with the padding zeroed "
+                            f"{num(float(want))}; {why}")
+    return None
+
+
+def check_loss_bf16():
+    """bf16 log-probs (a bf16 model's) give a float32 loss, the loss of the same values in float32."""
+    x = clean_loss_inputs()
+    logp, old = x["logp"].bfloat16(), x["old_logp"].bfloat16()
+    got, _ = starpo.policy_loss(logp.clone().requires_grad_(True), old, x["advantages"], x["mask"])
+    want, _ = starpo.policy_loss(logp.float().requires_grad_(True), old.float(), x["advantages"], x["mask"])
+    if not isinstance(got, torch.Tensor) or got.dtype != torch.float32:
+        return (f"policy_loss on bfloat16 logp and old_logp returned a {getattr(got, 'dtype', type(got))} "
+                f"loss, expected float32: work in float32 (.float() on the inputs first)")
+    diff = tensor_diff(got, want.detach(), "the loss")
+    return None if diff is None else (f"policy_loss on bfloat16 logp and old_logp: {diff[0]} (your loss of "
+                                      f"the same values in float32); compute in float32 (.float() first): "
+                                      f"bf16 keeps 3 digits, so its ratios near 1 are off by up to 0.4%")
+
+
+def check_loss_constants():
+    """No gradient reaches advantages or old_logp: they are constants of the loss."""
+    name = no_gradient_reaches(starpo.policy_loss)
+    return None if name is None else (
+        f"policy_loss with {name} that require grad: a gradient reached {name}; they are constants of the "
+        f"loss (detach them), so that the policy's update never trains what computed them (a critic, "
+        f"through GAE)")
+
+
+def check_kl_bf16():
+    """bf16 log-probs give a float32 KL equal to the KL of the same values in float32."""
+    g = torch.Generator().manual_seed(42)
+    logp = (-torch.rand(2, 8, generator=g) * 3).bfloat16()
+    step = torch.cat([torch.randn(1, 8, generator=g) * 0.02, torch.randn(1, 8, generator=g)])  # near 1, far
+    ref = (logp.float() + step).bfloat16()
+    for kind in ("k1", "k3"):
+        got = starpo.kl_penalty(logp.clone(), ref.clone(), kind)
+        if not isinstance(got, torch.Tensor) or got.dtype != torch.float32:
+            return (f"kl_penalty(kind={kind}) on bfloat16 logp and ref_logp returned "
+                    f"{getattr(got, 'dtype', type(got))}, expected float32: .float() the inputs first")
+        want = starpo.kl_penalty(logp.float(), ref.float(), kind)
+        diff = tensor_diff(got, want, "the KL")
+        if diff is not None:
+            msg, idx = diff
+            return (f"kl_penalty(kind={kind}) on bfloat16 logp and ref_logp: {msg} (your KL of the same "
+                    f"values in float32; logp {num(float(logp[idx]))}, ref_logp {num(float(ref[idx]))}); "
+                    f"compute in float32: in bf16, k3 = r - log r - 1 loses every digit when r is near 1")
+    return None
+
+
+def student_bounds(kw: dict) -> tuple[float, float] | None:
+    """The ratio bounds the student's policy_loss clips to, read from its own output on one token: A = -1 at
+    ratio 0.2 (far below the lower bound) loses max(r, clip(r)) = the lower bound; A = 1 at ratio 3 (far
+    above the upper) loses max(-r, -clip(r)) = minus the upper bound. 0.2 and 3 mean no clip on that side."""
+    def loss_at(ratio: float, adv: float) -> float:
+        logp, adv_ = torch.tensor([[math.log(ratio)]]), torch.tensor([[adv]])
+        loss, _ = starpo.policy_loss(logp, torch.zeros(1, 1), adv_, torch.ones(1, 1), **kw)
+        return float(loss)
+    try:
+        return loss_at(0.2, -1.0), -loss_at(3.0, 1.0)
+    except Exception:  # noqa: BLE001 -- the case's own message is shown instead
+        return None
 
 
 def check_aggregate(case: dict):
     got = starpo.aggregate(case["loss"].clone(), case["mask"].clone(), **case["kw"])
     diff = tensor_diff(got, case["want"], "the result")
-    return None if diff is None else f"aggregate ({case['name']}): {diff[0]}; {case['hint']}"
+    return None if diff is None else (f"aggregate ({case['name']}): {diff[0]}; {case['hint']}" +
+                                      shown(loss_tok=case["loss"], mask=case["mask"], **case["kw"]))
 
 
 def check_policy_loss(case: dict):
@@ -945,23 +1335,44 @@ def check_policy_loss(case: dict):
     if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict)):
         return f"{at}: return (loss, metrics dict), got a {type(got).__name__}"
     loss, metrics = got
+    inputs = shown(**{k: x[k] for k in ("logp", "old_logp", "advantages", "mask")})
     diff = tensor_diff(loss, case["loss"], "the loss")
     if diff is not None:
-        return f"{at}: {diff[0]}; {case['hint']}"
+        return f"{at}: {diff[0]}; {clip_hint(case)}{inputs}"
     if not loss.requires_grad:
         return f"{at}: the loss has no gradient: compute it from logp (do not detach)"
     loss.backward()
     grad = logp.grad if logp.grad is not None else torch.zeros(0)
     diff = tensor_diff(grad, case["grad"], "d loss / d logp")
     if diff is not None:
-        return (f"{at}: {diff[0]}; a clipped token's ratio gets no gradient, a token off the mask none "
-                f"either ({case['hint']})")
+        msg, idx = diff
+        if idx and VERBOSE:
+            b, t = idx
+            inputs = shown(row=b, token=t, **{k: x[k][b] for k in ("logp", "old_logp", "advantages", "mask")})
+        return (f"{at}: {msg}; a clipped token's ratio gets no gradient, a token off the mask none either "
+                f"({clip_hint(case)}){inputs}")
     for k in METRICS:
         if k not in metrics or not close(float(metrics[k]), case["metrics"][k]):
             have = num(float(metrics[k])) if k in metrics else "missing"
             return (f"{at}: metrics['{k}'] is {have}, expected {num(case['metrics'][k])}; see the handout's "
                     f"table of the metrics (fractions of the sampled tokens)")
     return None
+
+
+def clip_hint(case: dict) -> str:
+    """The case's hint; where the student's own loss clips the ratio to other bounds than the case's, those
+    bounds, read from its output (student_bounds)."""
+    kw = case["kw"]
+    if kw.get("dual_clip"):
+        return case["hint"]
+    low, high = 1 - kw.get("clip_low", 0.2), 1 + kw.get("clip_high", 0.28)
+    got = student_bounds({k: v for k, v in kw.items() if k in ("clip_low", "clip_high")})
+    if got is None or (close(got[0], low) and close(got[1], high)) or not 0.2 - 1e-6 <= got[0] <= 1 <= got[1]:
+        return case["hint"]  # the bounds right, or no bounds to read (a ratio upside down, say)
+    side = [("none" if math.isclose(v, far, rel_tol=1e-3) else num(v)) for v, far in zip(got, (0.2, 3.0))]
+    return (f"your loss clips the ratio to [{side[0]}, {side[1]}] (read from your loss on one token far "
+            f"below and far above both bounds); with clip_low={num(1 - low)}, clip_high={num(high - 1)} it "
+            f"is [1 - clip_low, 1 + clip_high] = [{num(low)}, {num(high)}]: {case['hint']}")
 
 
 def check_ratio_one():
@@ -1000,13 +1411,18 @@ def check_kl_properties():
 
 def grade_unit4(snap: dict, rep: Report) -> None:
     for case in snap["agg"]:
-        rep.check("aggregate", lambda case=case: check_aggregate(case))
+        rep.check("aggregate", lambda case=case: check_aggregate(case), case=case["name"])
     for case in snap["pl"]:
-        rep.check("policy_loss", lambda case=case: check_policy_loss(case))
-    rep.check("policy_loss", check_ratio_one)
+        rep.check("policy_loss", lambda case=case: check_policy_loss(case), case=case["name"])
+    rep.check("policy_loss", check_ratio_one, case="ratio 1")
+    rep.check("policy_loss", check_loss_padding, case="junk off the mask")
+    rep.check("policy_loss", check_loss_bf16, case="bfloat16 log-probs")
+    if snap["pl_constants"]:  # the reference's own contract: graded where the reference keeps it
+        rep.check("policy_loss", check_loss_constants, case="advantages that require grad")
     for case in snap["kl"]:
-        rep.check("kl_penalty", lambda case=case: check_kl(case))
-    rep.check("kl_penalty", check_kl_properties)
+        rep.check("kl_penalty", lambda case=case: check_kl(case), case=f"kind={case['kind'] or 'default'}")
+    rep.check("kl_penalty", check_kl_properties, case="k3 >= 0")
+    rep.check("kl_penalty", check_kl_bf16, case="bfloat16 log-probs")
 
 
 # ---- unit 5: filter.py (select_groups)
@@ -1075,37 +1491,176 @@ def check_select_rejects():
 
 def grade_unit5(snap: dict, rep: Report) -> None:
     for case in snap["cases"]:
-        rep.check("select_groups", lambda case=case: check_select(case))
-    rep.check("select_groups", check_select_rejects)
+        rep.check("select_groups", lambda case=case: check_select(case), case=case["name"])
+    rep.check("select_groups", check_select_rejects, case="bad inputs")
+
+
+# ---- unit 6: monitor.py (echo_check)
+
+STD, SUCCESS, GRAD, ENT, MI = ("rollout/in_group_std", "rollout/success", "train/grad_norm", "train/entropy",
+                               "collapse/mi")
+SIGNAL_HINTS = {
+    "std_collapse": "std_collapse: once more than baseline_iters stds are known, the mean of the last "
+                    "`smooth` against std_ratio x the mean of the first baseline_iters; low_std_run counts "
+                    "the iterations in a row below it while the mean of the last `smooth` successes is not "
+                    "above the mean of the first baseline_iters (else it is 0 again); the warning once it "
+                    "reaches patience",
+    "grad_spike": "grad_spike: a finite grad norm above grad_factor x the median of the last `window` norms "
+                  "before it (at least 5 of them); it joins the history after the test",
+    "entropy_swing": "entropy_swing: a finite entropy joins its history first; once more than baseline_iters "
+                     "are known, the mean of the last `smooth` outside ent_band x the mean of the first "
+                     "baseline_iters",
+    "mi_collapse": "collapse/mi, where present and finite: mi_check(mon, mi) (extras/collapse.py, given) "
+                   "returns the warning or None",
+}
+STATE_HINTS = {
+    "std_history": "every iteration with a reward std appends it", "success_history": "every iteration with "
+    "a reward std appends rollout/success with it (0.0 where it is missing)",
+    "grad_history": "every finite grad norm, after the spike test", "ent_history": "every finite entropy, "
+    "before the swing test", "low_std_run": "the low-std iterations in a row (see std_collapse)",
+    "mi_history": "mi_check keeps it", "low_mi_run": "mi_check keeps it"}
+
+
+def quiet(**changes) -> dict:
+    """One iteration of a healthy run's four signals, with `changes` (std, success, grad, ent, mi)."""
+    m = {STD: 1.0, SUCCESS: 0.5, GRAD: 1.0, ENT: 2.0}
+    m.update({{"std": STD, "success": SUCCESS, "grad": GRAD, "ent": ENT, "mi": MI}[k]: v
+              for k, v in changes.items()})
+    return {k: v for k, v in m.items() if v is not None}
+
+
+def noisy_run(rng, n: int, collapse_at: int, missing: float = 0.0) -> list[dict]:
+    """A run that drifts into a collapse at `collapse_at`: the std fades, the grad norm spikes now and then,
+    the entropy swings; with `missing`, each signal is absent with that probability."""
+    steps = []
+    for i in range(n):
+        late = i >= collapse_at
+        m = {STD: float(rng.uniform(0.15, 0.3) * (0.05 if late else 1.0)),
+             SUCCESS: float(rng.uniform(0.4, 0.6) * (0.3 if late else 1.0)),
+             GRAD: float(rng.lognormal(0.0, 0.4) * (12.0 if rng.random() < 0.08 else 1.0)),
+             ENT: float(rng.uniform(0.1, 0.3) * (8.0 if late and i % 7 < 4 else 1.0))}
+        steps.append({k: v for k, v in m.items() if rng.random() >= missing})
+    return steps
+
+
+def record_unit6() -> dict:
+    rng = np.random.default_rng(6)
+    cases = []
+
+    def add(name, steps, **kw):
+        mon, fired = monitor.EchoMonitor(), []
+        for m in steps:
+            fired.append(sorted(monitor.echo_check(mon, dict(m), **kw)))
+        cases.append(dict(name=name, steps=steps, kw=kw, fired=fired, state=dataclasses.asdict(mon)))
+    add("the std collapses, success flat", [quiet()] * 6 + [quiet(std=0.01)] * 6)
+    add("the std vanishes while success rises (convergence)",
+        [quiet(std=1.0 if i < 5 else 0.01, success=0.5 if i < 5 else 0.99, grad=1.0 + 0.5 * (i % 3),
+               ent=0.3 if i % 2 else 0.08) for i in range(30)])
+    add("the std falls, recovers, falls again", [quiet()] * 6 + [quiet(std=0.0)] * 5 + [quiet(std=5.0)] * 3 +
+        [quiet(std=0.0)] * 8)
+    add("a grad norm spike", [quiet()] * 6 + [quiet(grad=50.0)] + [quiet()] * 3)
+    add("a spike before 5 norms are known", [quiet()] * 3 + [quiet(grad=50.0)] + [quiet()] * 2)
+    add("an outlier in the history (the median)", [quiet(grad=g) for g in (1, 1, 1, 1, 30, 1, 1, 8, 1)])
+    add("non-finite grad norms", [quiet()] * 6 + [quiet(grad=float("nan")), quiet(grad=float("inf")),
+                                                  quiet(grad=8.0), quiet()])
+    add("a window of the last 20 norms", [quiet(grad=10.0)] * 20 + [quiet(grad=1.0)] * 20 + [quiet(grad=8.0)])
+    add("entropy: one noisy value, then a sustained rise", [quiet()] * 6 + [quiet(ent=12.0)] +
+        [quiet(ent=40.0)] * 3)
+    add("entropy collapses", [quiet()] * 6 + [quiet(ent=0.01)] * 6)
+    add("non-finite entropies", [quiet()] * 6 + [quiet(ent=float("nan")), quiet(ent=float("inf"))] * 2 +
+        [quiet()])
+    add("signals missing", [{}, quiet(success=None), {GRAD: 2.0}, {ENT: 1.0}] + noisy_run(rng, 36, 18, 0.3))
+    mi = [quiet(mi=v) for v in (0.8, 1.0, 1.2)] + [quiet()] * 4 + [quiet(mi=v) for v in (0.6, 0.4, 0.3, 0.9)]
+    add("the template-collapse MI", mi)
+    add("other thresholds", noisy_run(rng, 40, 15), baseline_iters=3, smooth=2, std_ratio=0.5, patience=2,
+        grad_factor=3.0, ent_band=(0.5, 2.0), window=6)
+    add("a noisy run of 60 iterations", noisy_run(rng, 60, 30))
+    runs = json.loads((ROOT / "tests" / "data" / "echo_signals.json").read_text())
+    keys = {"in_group_std": STD, "success": SUCCESS, "grad_norm": GRAD, "entropy": ENT}
+    for name, sig in runs.items():  # docs/results.md, "The Echo Trap monitor"; tests/test_monitor.py
+        add(f"the recorded run {name!r}", [{keys[k]: sig[k][i] for k in keys if sig[k][i] is not None}
+                                           for i in range(len(sig["success"]))])
+    return dict(cases=cases)
+
+
+def same_state(got, want) -> bool:
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and \
+            all(same_state(a, b) for a, b in zip(got, want))
+    return got == want or close(got, want)
+
+
+def check_monitor(case: dict):
+    kw = dict(case["kw"], **({"ent_band": tuple(case["kw"]["ent_band"])} if "ent_band" in case["kw"] else {}))
+    mon = monitor.EchoMonitor()
+    at = f"echo_check ({case['name']}{', ' + str(kw) if kw else ''})"
+    for i, (m, want) in enumerate(zip(case["steps"], case["fired"]), 1):
+        got = monitor.echo_check(mon, dict(m), **kw)
+        if not (isinstance(got, dict) and all(isinstance(k, str) and isinstance(v, str) and v
+                                              for k, v in got.items())):
+            return f"{at}, iteration {i}: return a dict {{signal: the warning's text}}, got {got!r}"
+        if sorted(got) != want:
+            extra, miss = sorted(set(got) - set(want)), sorted(set(want) - set(got))
+            key = (miss or extra)[0]
+            did = f"did not fire {key}" if miss else f"fired {key}"
+            return (f"{at}: at iteration {i} your monitor {did} (yours: {', '.join(sorted(got)) or 'none'}; "
+                    f"expected: {', '.join(want) or 'none'}; this iteration's metrics {fmt_metrics(m)}); "
+                    f"{SIGNAL_HINTS[key]}" + shown(std_history=mon.std_history, grad_history=mon.grad_history,
+                                                   ent_history=mon.ent_history))
+    state = dataclasses.asdict(mon) if dataclasses.is_dataclass(mon) else {}
+    for field, want in case["state"].items():
+        got = state.get(field, "missing")
+        if not same_state(got, want):
+            shown_got = fmt(got[-6:]) + f" ({len(got)} values)" if isinstance(got, list) else fmt(got)
+            shown_want = fmt(want[-6:]) + f" ({len(want)} values)" if isinstance(want, list) else fmt(want)
+            return (f"{at}: after its {len(case['steps'])} iterations the monitor's {field} ends "
+                    f"{shown_got}, expected {shown_want}: {STATE_HINTS.get(field, '')} (train.py checkpoints "
+                    f"the monitor: a resumed run must warn as the uninterrupted one would)")
+    return None
+
+
+def fmt_metrics(m: dict) -> str:
+    return "{" + ", ".join(f"{k.split('/')[1]} {num(v)}" for k, v in m.items()) + "}" if m else "{} (none)"
+
+
+def grade_unit6(snap: dict, rep: Report) -> None:
+    for case in snap["cases"]:
+        rep.check("echo_check", lambda case=case: check_monitor(case), case=case["name"])
 
 
 # ---- running
 
-RECORD = {1: record_unit1, 2: record_unit2, 3: record_unit3, 4: record_unit4, 5: record_unit5}
-GRADE = {1: grade_unit1, 2: grade_unit2, 3: grade_unit3, 4: grade_unit4, 5: grade_unit5}
+RECORD = {1: record_unit1, 2: record_unit2, 3: record_unit3, 4: record_unit4, 5: record_unit5,
+          6: record_unit6}
+GRADE = {1: grade_unit1, 2: grade_unit2, 3: grade_unit3, 4: grade_unit4, 5: grade_unit5, 6: grade_unit6}
 
 
 def grade_unit(n: int) -> dict:
-    """Run unit n's checks -> {unit, name, status, passed, total, missing, failures, line}."""
+    """Run unit n's checks -> {unit, name, status, passed, total, missing, failures, skipped, points,
+    max_points, line}."""
     unit = BY_NUMBER[n]
     if unit.get("lab"):
         return grade_lab(unit)
     rep = Report(unit)
     torch.manual_seed(0)
+    rep.static()
     GRADE[n](load_snapshot(unit), rep)
     return rep.result()
 
 
 def grade_lab(unit: dict) -> dict:
-    """A lab is run by hand; its line says whether the units it trains with pass."""
+    """A lab is run by hand and its answers read (course/lab-answers.md); its line says whether the units it
+    trains with pass."""
     failing = [m for m in unit["needs"] if grade_unit(m)["status"] != "pass"]
     ok = not failing
-    words = (f"ready -- units {', '.join(map(str, unit['needs']))} pass: run it ({handout(unit)})" if ok else
+    units = f"{unit['needs'][0]}-{unit['needs'][-1]}"
+    words = (f"ready -- units {units} pass: run it ({handout(unit)}); its {unit['points']} points come from "
+             f"your answers (course/lab-answers.md)" if ok else
              f"not ready -- it trains with your code: first make unit{'s' * (len(failing) > 1)} "
              f"{', '.join(map(str, failing))} pass")
     return {"unit": unit["n"], "name": unit["name"], "status": "pass" if ok else "fail", "passed": int(ok),
-            "total": 1, "missing": [], "failures": [] if ok else [words], "skipped": [],
-            "line": f"unit {unit['n']} {unit['name']}: {words}"}
+            "total": 1, "missing": [], "failures": [] if ok else [words], "skipped": [], "points": None,
+            "max_points": unit["points"], "line": f"unit {unit['n']} {unit['name']}: {words}"}
 
 
 def record(numbers: list[int]) -> None:
@@ -1126,31 +1681,38 @@ def record(numbers: list[int]) -> None:
 
 
 def main(argv=None) -> int:
+    global VERBOSE
     parser = Parser(prog="grade.py", description=__doc__.split("\n")[0])  # errors: one line, exit 2
-    parser.add_argument("units", nargs="*", type=int, metavar="UNIT", help="units to grade (default: 1-5)")
+    parser.add_argument("units", nargs="*", type=int, metavar="UNIT",
+                        help=f"units to grade (default: {GRADED[0]}-{GRADED[-1]})")
     parser.add_argument("--json", metavar="FILE", help="also write the results to FILE (a new file)")
+    parser.add_argument("--verbose", action="store_true", help="a failure shows the inputs of its case")
     parser.add_argument("--record", action="store_true", help="rewrite the snapshots from the reference code")
     args = parser.parse_args(argv)
-    graded = [u["n"] for u in UNITS if not u.get("lab")]
     unknown = [n for n in args.units if n not in BY_NUMBER]
     if unknown:
         parser.error(f"no unit {unknown[0]}; the units are {', '.join(str(u['n']) for u in UNITS)}")
-    numbers = args.units or graded
+    numbers = args.units or GRADED
     if args.record:
         record([n for n in numbers if n in RECORD])
         return 0
     if args.json and Path(args.json).exists():
         parser.error(f"--json {args.json}: exists; nothing is replaced: choose another file or remove it")
     torch.set_num_threads(1)
+    VERBOSE = args.verbose
     t0, results = time.time(), []
     for n in numbers:
         results.append(grade_unit(n))
         print(results[-1]["line"], flush=True)
     passed = sum(r["status"] == "pass" for r in results)
-    print(f"total: {passed}/{len(results)} units pass ({time.time() - t0:.0f} s)")
+    scored = [r for r in results if r["points"] is not None]  # a lab's points come from its answers
+    points, most = sum(r["points"] for r in scored), sum(r["max_points"] for r in scored)
+    score = f", {points:g}/{most} points" if scored else ""  # a lab's come from its answers
+    print(f"total: {passed}/{len(results)} units pass{score} ({time.time() - t0:.0f} s)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"units": results, "passed": passed, "graded": len(results)},
-                                              indent=1) + "\n")
+        summary = {"units": results, "passed": passed, "graded": len(results), "points": round(points, 1),
+                   "max_points": most}
+        Path(args.json).write_text(json.dumps(summary, indent=1) + "\n")
     return 0 if passed == len(results) else 1
 
 

@@ -75,8 +75,8 @@ def test_reply_nll_is_the_models_own_loss_and_the_merge_keeps_it(base):
     trained adapters into the weights changes no output."""
     from engine.lora import merge_lora
     model, tok, path = load_policy(str(base))
-    settings = {**prior.warm_settings(prior.Config(model=str(base), steps=3, lr=3e-2, lora_rank=4,
-                                                   lora_alpha=8.0), path, None)}
+    cfg = prior.Config(model=str(base), steps=3, lr=3e-2, lora_rank=4, lora_alpha=8.0)
+    settings = prior.warm_settings(cfg, path, None)
     prior.warm_start(model, tok, settings, None, Path("unused"), save_every=100)
     seg = prior.warm_batch(tok, 0, 99)[3]  # a Sokoban segment
     ids = torch.tensor([seg.input_ids])

@@ -44,10 +44,20 @@ print(f"{len(rows)} configurations, {len(bad)} failed"); [print(b) for b in bad]
 export -f no_errors
 export py
 
+present() {  # those of the test files named that exist: a student copy (course/make.py) leaves some out
+    local t
+    for t in "$@"; do [[ -e "$t" ]] && printf '%s\n' "$t"; done
+}
+
 small=(--layers 2 --hidden 64 --heads 4 --kv-heads 2 --intermediate 128 --vocab 2000 --gpu-prompts 2
        --gpu-rollouts 4 --gpu-reply 24 --gpu-decode-steps 8 --gpu-eval-prompts 4 --repeats 1)
 if [[ $mode == cpu ]]; then
-    step 1-cuda-tests 300 "$py" -m pytest -q tests/test_sampler.py  # the CUDA ones skip
+    mapfile -t cuda_tests < <(present tests/test_sampler.py)
+    if (( ${#cuda_tests[@]} )); then
+        step 1-cuda-tests 300 "$py" -m pytest -q "${cuda_tests[@]}"  # the CUDA ones skip
+    else
+        echo "1-cuda-tests skipped (tests/test_sampler.py is not in this copy)" | tee -a "$out/SUMMARY"
+    fi
     echo "2-memory-cap skipped (needs CUDA)" | tee -a "$out/SUMMARY"
     step 3-bench-small 300 bash -c "no_errors $py tools/bench.py gpu --device cpu ${small[*]}"
     step 4-train 300 "$py" train.py --env sokoban --algo grpo --model tiny --device cpu --prompts 2 --rollouts 4 \
@@ -55,7 +65,8 @@ if [[ $mode == cpu ]]; then
     step 4-eval 120 "$py" eval.py --policy "$out/run" --prompts 4 --device cpu
     echo "5-bench-full skipped (needs CUDA)" | tee -a "$out/SUMMARY"
 else
-    step 1-cuda-tests 90 "$py" -m pytest -q -rs tests/test_sampler.py tests/test_starpo.py tests/test_models.py
+    mapfile -t cuda_tests < <(present tests/test_sampler.py tests/test_starpo.py tests/test_models.py)
+    step 1-cuda-tests 90 "$py" -m pytest -q -rs "${cuda_tests[@]}"
     step 2-memory-cap 30 "$py" -c 'import torch; from engine.models import setup_device
 setup_device(torch.device("cuda"), 1, 2.0)
 try:

@@ -481,6 +481,7 @@ def save_warm(model, tok, out: Path, max_new_tokens: int) -> None:
     transformers.utils.logging.disable_progress_bar()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-warm-"))
+    os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide the model folder from other users
     try:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
