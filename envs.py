@@ -211,14 +211,25 @@ class SokobanEnv(_TextEnv):
         after = self._on_target()
         self.done = success = after == len(self._boxes)
         # gym-sokoban's reward: -0.1 a step, +1 / -1 a box on / off a target, +10 solved
-        reward = -0.1 + (1.0 if after > before else -1.0 if after < before else 0.0) + 10.0 * success
+        change = 0.0
+        if after > before:
+            change = 1.0
+        elif after < before:
+            change = -1.0
+        reward = -0.1 + change + 10.0 * success
         return self._render(), reward, success, {"success": success, "action_is_valid": True,
                                                  "action_is_effective": self._player != moved_from}
 
     def _render(self) -> str:
-        def symbol(c):
-            k = (5 if c == self._player else 3 if c in self._boxes else 1) + (c in self._targets)
-            return self.SYMBOLS[k if self._floor[c] else 0]
+        def symbol(c):  # SYMBOLS: wall, empty, target, box, box on target, player, player on target
+            if not self._floor[c]:
+                return self.SYMBOLS[0]
+            k = 1
+            if c == self._player:
+                k = 5
+            elif c in self._boxes:
+                k = 3
+            return self.SYMBOLS[k + (c in self._targets)]
         n = self.size
         return "\n".join("".join(symbol(c) for c in range(r * n, (r + 1) * n)) for r in range(n))
 
@@ -327,7 +338,8 @@ class FrozenLakeEnv(_TextEnv):
     def describe(self) -> str:
         """In words ("player at 1 2, goal at 4 4, hole at 2 2"): the expert's thought."""
         self._require_live("describe()")
-        cell = lambda rc: f"{rc[0] + 1} {rc[1] + 1}"  # noqa: E731
+        def cell(rc):  # 1-based "row column"
+            return f"{rc[0] + 1} {rc[1] + 1}"
         holes = [f"hole at {cell(rc)}" for rc in zip(*np.nonzero(self._board == "H"))]
         goal = tuple(int(x) for x in np.argwhere(self._board == "G")[0])
         return ", ".join([f"player at {cell(self._pos)}", f"goal at {cell(goal)}"] + holes)

@@ -252,7 +252,7 @@ def main(argv=None):
         cfg, out = configure(argv)
         start, state, ck = resume_point(cfg, out, "steps")  # 0, or a resumed run's latest checkpoint
         if ck and start == cfg.steps and (out / "result.json").is_file():  # nothing to do, nothing written
-            print(f"{out}: the run is complete ({start} steps); evaluate it with python eval.py --policy {out}")
+            print(f"{out}: the run is complete ({start} steps); evaluate it: python eval.py --policy {out}")
             return out
         t_start = time.time()
 
