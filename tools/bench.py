@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import math
 import statistics
 import sys
 import threading
@@ -318,7 +317,7 @@ def _rollout_one(args, model, tok, label: str, single: bool) -> dict:
     n = len(seeds)
     pairs = list(zip(list(g)[:-1], list(g)[1:]))
     same_greedy = {f"{a} = {b}": same(g[a], g[b]) for a, b in pairs}
-    print(f"[rollout] same trajectories (ids, masks, rewards), greedy: "
+    print("[rollout] same trajectories (ids, masks, rewards), greedy: "
           + ", ".join(f"{k} {v}/{n}" for k, v in same_greedy.items())
           + f"; temperature {cfg.temperature}: re-prefill = KV kept {same(t[False], t[True])}/{n}")
     return {"tokens_per_s_single": med.get("one at a time"), "tokens_per_s_reprefill": med["batched, re-prefill"],
