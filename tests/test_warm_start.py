@@ -70,23 +70,29 @@ def test_the_warm_start_writes_a_plain_policy_and_its_loss_falls(base, tmp_path,
     assert "on 1 eval prompts" in printed
 
 
-def test_reply_nll_is_the_models_own_loss_and_the_merge_keeps_it(base):
-    """reply_nll (the LM head on the reply positions only) equals the model's full forward; merging the
-    trained adapters into the weights changes no output."""
+def test_reply_nll_is_the_models_own_loss_batched_or_not_and_the_merge_keeps_it(base):
+    """reply_nll (right-padded micro-batches, no attention mask, the LM head on the reply positions only)
+    equals the model's full forward one sequence at a time; merging the trained adapters into the weights
+    changes no output."""
     from engine.lora import merge_lora
     model, tok, path = load_policy(str(base))
     cfg = prior.Config(model=str(base), steps=3, lr=3e-2, lora_rank=4, lora_alpha=8.0)
     settings = prior.warm_settings(cfg, path, None)
     prior.warm_start(model, tok, settings, None, Path("unused"), save_every=100)
-    seg = prior.warm_batch(tok, 0, 99)[3]  # a Sokoban segment
-    ids = torch.tensor([seg.input_ids])
-    mask = torch.tensor(seg.loss_mask[1:]).bool()
+    segs = prior.warm_batch(tok, 0, 99)
+    batches = prior.micro_batches(segs)
+    assert sorted(len(s.input_ids) for b in batches for s in b) == sorted(len(s.input_ids) for s in segs)
+    assert 1 <= len(batches) <= 2
+    full = torch.zeros(())
     with torch.no_grad():
-        nll = prior.reply_nll(model, seg, None)
-        logits = model(input_ids=ids).logits[0, :-1]
-        full = torch.nn.functional.cross_entropy(logits[mask], ids[0, 1:][mask], reduction="sum")
+        for seg in segs:
+            ids = torch.tensor([seg.input_ids])
+            mask = torch.tensor(seg.loss_mask[1:]).bool()
+            logits = model(input_ids=ids).logits[0, :-1]
+            full += torch.nn.functional.cross_entropy(logits[mask], ids[0, 1:][mask], reduction="sum")
+        nll = sum(prior.reply_nll(model, b, tok.pad_token_id, None) for b in batches)
         merge_lora(model)
-        merged = prior.reply_nll(model, seg, None)
+        merged = sum(prior.reply_nll(model, b, tok.pad_token_id, None) for b in batches)
     assert torch.allclose(nll, full, rtol=1e-5), (nll, full)
     assert torch.allclose(nll, merged, rtol=1e-4), (nll, merged)
 

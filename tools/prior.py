@@ -1,7 +1,7 @@
 """The priors a run starts from: the tiny policy in `prior/` (how it was built), and a real LM's warm start.
 
     python tools/prior.py --out prior-rebuilt        # ~3 min on one CPU thread; prints each env's format rate
-    python tools/prior.py --model models/smollm2-135m-instruct --out models/smollm2-warm   # the warm start
+    python tools/prior.py --model models/smollm2-135m-instruct --out models/smollm2-warm  # ~9 min, 2 cores
 
 The paper starts from Qwen2.5-0.5B-Instruct (section 3.2): a model that knows the answer format but not the
 tasks. The tiny prior plays that part on a CPU: a real Qwen2-architecture model (~1M parameters), a word-level
@@ -27,10 +27,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-# A warm start on all cores while other work runs too: with libgomp's default (spinning) wait, a step of
-# ~6 s took 40-170 s whenever another process held a core (measured, 2 cores); waiting passively kept it at
-# 8-9 s. OpenMP reads this when torch loads, hence here; a value already set wins. The tiny prior runs on
-# one thread: no parallel region, no effect.
+# A warm start on all cores while other work runs too. Measured on 2 cores (SmolLM2, a step in 2 micro-
+# batches): libgomp's default, spinning wait took ~6.4 s a step on idle cores but 30-40 s while another
+# process held a core (170 s at worst, one sequence at a time); waiting passively, 7.6 s idle and 10-13 s
+# beside that process. OpenMP reads this when torch loads, hence here; a value already set wins. The tiny
+# prior runs on one thread: no parallel region, no effect.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
@@ -339,18 +340,34 @@ def warm_batch(tok, seed: int, step: int) -> list:
     return segs
 
 
-def reply_nll(model, seg, amp) -> torch.Tensor:
-    """Summed NLL of a segment's reply tokens (loss_mask 1: what the agent wrote; the boards, feedback and the
-    template are read, not learned). The LM head runs only on the positions that predict a reply token: with
-    SmolLM2's 49k-word head, on every position it would cost ~20% of the step for ~10% of the tokens. Llama
-    and Qwen2 scale no logits, so these are the model's own."""
+def micro_batches(segs: list) -> list[list]:
+    """A step's segments as at most two padded micro-batches of length neighbours, split where the fewest pad
+    tokens are computed. Fewer, larger passes than one sequence at a time (measured, 2 cores, SmolLM2): ~15%
+    faster on idle cores, 3x faster while another process holds a core, as every op ends in a barrier of
+    the threads."""
+    segs = sorted(segs, key=lambda s: len(s.input_ids))
+    lengths = [len(s.input_ids) for s in segs]
+
+    def computed(k: int) -> int:  # tokens through the model with the first k segments in the first batch
+        return k * lengths[k - 1] + (len(segs) - k) * lengths[-1]
+    k = min(range(1, len(segs) + 1), key=computed)
+    return [part for part in (segs[:k], segs[k:]) if part]
+
+
+def reply_nll(model, segs: list, pad_id: int, amp) -> torch.Tensor:
+    """Summed NLL of the reply tokens of `segs` (loss_mask 1: what the agent wrote; the boards, feedback and
+    template are read, not learned), right-padded into one batch. No attention mask: under the causal mask no
+    real token attends to a pad that follows it (and sdpa keeps its causal kernel). The LM head runs only on
+    the positions that predict a reply token: with SmolLM2's 49k-word head, on every position it would cost
+    ~20% of the step for ~10% of the tokens. Llama and Qwen2 scale no logits, so these are the model's own."""
     device = next(model.parameters()).device
-    ids = torch.tensor(seg.input_ids, device=device)                          # [T]
-    wanted = torch.tensor(seg.loss_mask[1:], device=device).bool()            # [T-1]: predicts a reply token
+    ids, _, mask = pad_segments(segs, pad_id)                         # [B, T] each
+    ids = ids.to(device)
+    wanted = mask[:, 1:].bool().to(device)                            # [B, T-1]: predicts a reply token
     with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-        hidden = model.base_model(input_ids=ids[None]).last_hidden_state[0, :-1][wanted]   # [n, H]
-        logits = model.get_output_embeddings()(hidden)                                     # [n, V]
-    return nn.functional.cross_entropy(logits.float(), ids[1:][wanted], reduction="sum")
+        hidden = model.base_model(input_ids=ids).last_hidden_state[:, :-1][wanted]   # [n, H]
+        logits = model.get_output_embeddings()(hidden)                                # [n, V]
+    return nn.functional.cross_entropy(logits.float(), ids[:, 1:][wanted], reduction="sum")
 
 
 def frozen_in(model, amp) -> list:
@@ -448,8 +465,8 @@ def warm_start(model, tok, settings: dict, amp, partial: Path, state: dict | Non
             n = sum(sum(s.loss_mask[1:]) for s in segs)  # the step's reply tokens: one mean over all of them
             opt.zero_grad(set_to_none=True)
             total = 0.0
-            for seg in segs:  # one sequence at a time: no padding (lengths differ up to 5x)
-                loss = reply_nll(model, seg, amp) / n
+            for batch in micro_batches(segs):
+                loss = reply_nll(model, batch, tok.pad_token_id, amp) / n
                 loss.backward()
                 total += loss.item()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -547,7 +564,9 @@ class Config:
                                             f"(default: {WARM['save_every']})", lo=1)
 
 
-TINY_ONLY = ("overwrite", "episodes_per_env")
+# the tiny prior's flags a warm start refuses, and why
+TINY_ONLY = {"overwrite": "a warm start never replaces a folder",
+             "episodes_per_env": "a warm start draws fresh episodes every step"}
 WARM_ONLY = ("lr", "lora_rank", "lora_alpha", "dtype", "threads", "device", "save_every")
 
 
@@ -556,9 +575,8 @@ def check_warm(cfg, explicit: set[str]):
     -> (out, OUT.partial, model, tokenizer, autocast dtype, settings, checkpoint or None)."""
     from engine.models import choose_dtype, load_policy, model_kind, pick_device
     typed = [k for k in TINY_ONLY if k in explicit]
-    flag = f"--{typed[0].replace('_', '-')}" if typed else ""
-    cli.check([(not typed, f"{flag}: only for the tiny prior; a warm start draws fresh episodes every step "
-                           f"and never replaces a folder"),
+    why = f"--{typed[0].replace('_', '-')}: only for the tiny prior; {TINY_ONLY[typed[0]]}" if typed else ""
+    cli.check([(not typed, why),
                ("out" in explicit, "--out: a warm start needs a new folder to write (e.g. --out "
                                    "models/smollm2-warm)")])
     cli.fill_defaults(cfg, {k: WARM[k] for k in ("steps", "lr", "lora_rank", "lora_alpha", "save_every",
