@@ -147,13 +147,13 @@ def test_train_runs_gigpo_names_it_logs_its_groups_and_resumes_exactly(small_pat
     common = [str(ROOT / "train.py"), "--env", "sokoban", "--algo", "gigpo", "--model", small_path, "--lr", "1e-3",
               "--prompts", "4", "--rollouts", "4", "--filter", "0.5", "--max-new-tokens", "30", "--eval-every", "0",
               "--eval-prompts", "4", "--save-every", "2", "--gigpo-gamma", "0.9"]
-    p = run(common + ["--steps", "4", "--out", str(tmp_path / "a")], tmp_path)
+    p = run(common + ["--steps", "3", "--out", str(tmp_path / "a")], tmp_path)
     first = p.stdout.splitlines()[0]
     assert "GiGPO" in first and "beyond the paper" in first
     run(common + ["--steps", "2", "--out", str(tmp_path / "b")], tmp_path)
-    run([str(ROOT / "train.py"), "--resume", str(tmp_path / "b"), "--steps", "4"], tmp_path)
+    run([str(ROOT / "train.py"), "--resume", str(tmp_path / "b"), "--steps", "3"], tmp_path)
     a, b = read_jsonl(tmp_path / "a" / "metrics.jsonl"), read_jsonl(tmp_path / "b" / "metrics.jsonl")
-    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["step"] for r in b] == [1, 2, 3]
     trained = [r for r in a if "rollout/gigpo_group_size" in r]
     assert trained and all(r["rollout/gigpo_group_size"] >= 1 for r in trained)
     assert all(0 <= r["rollout/gigpo_grouped_turns"] <= 1 for r in trained)
