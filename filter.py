@@ -3,7 +3,8 @@
 A prompt's uncertainty is the unbiased std of its N rollouts' rewards (RAGEN's `rm_scores.std(dim=-1)`); the
 top p% of prompts (p = 25%) are kept, each with all N rollouts. Why (section 4.1): a collapsing in-group std
 is the Echo Trap's first warning, and a zero-std group carries no GRPO signal. Ties keep the lower index (a
-stable sort). RAGEN's later rules: extras/filter_rules.py. Next: advantages.py.
+stable sort); `filter_groups` applies a rule to an iteration's trajectories. RAGEN's later rules:
+extras/filter_rules.py. Next: advantages.py.
 """
 
 from __future__ import annotations
@@ -40,6 +41,17 @@ def select_groups(group_rewards: torch.Tensor, keep: float = 0.25,
     keep_mask = torch.zeros(G, dtype=torch.bool, device=group_rewards.device)
     keep_mask[order[:max(1, min(int(keep * G), G))]] = True
     return keep_mask, group_stats(std, keep_mask, std)
+
+
+def filter_groups(trajs: list, groups: int, rule, cfg) -> tuple[list, dict, dict]:
+    """Whole groups in or out: `trajs` in group order (G x N, each with its group_id) through `rule`
+    (train.py's filter point: `select_groups` by --filter, or an option's) -> (the kept trajectories, the
+    metrics logged under rollout/, the rule's `group_stats`)."""
+    rewards = torch.tensor([t.reward for t in trajs]).view(groups, -1)  # [G, N]
+    keep, stats = rule(rewards, cfg)  # [G] bool
+    logged = ["in_group_std", "in_group_std_max", "chosen_in_group_std", "filter_kept", "zero_std_groups"]
+    metrics = {f"rollout/{k}": stats[k] for k in logged}
+    return [t for t in trajs if keep[t.group_id]], metrics, stats
 
 
 def group_stats(std: torch.Tensor, keep_mask: torch.Tensor, score: torch.Tensor) -> dict:

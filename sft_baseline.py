@@ -62,8 +62,7 @@ class Config:
     think: bool = flag(True, "<think>...</think> before <answer> (--no-think: answer only)")
     context_turns: int | None = flag(None, "history window: 0 = the whole conversation, K = the last K "
                                      "turns (default: tiny 1, hub models 0)", lo=0)
-    epochs: int | None = flag(None, "passes over the training data (default: tiny 3, hub models 5)",
-                              lo=1)
+    epochs: int | None = flag(None, "passes over the training data (default: tiny 3, hub models 5)", lo=1)
     batch: int | None = flag(None, "training sequences per optimizer step (default: tiny 16, hub "
                              "models 128)", lo=1)
     lr: float | None = flag(None, "peak learning rate (default: tiny 2e-3, hub models 1e-4)", gt=0)
@@ -83,8 +82,7 @@ class Config:
     eval_prompts: int = flag(256, "eval prompts, <= 256", lo=1, hi=256)
     eval_temperature: float = flag(0.5, "eval sampling temperature (paper: 0.5)", lo=0)
     # ---- the run, the model
-    seed: int = flag(0, "seed of everything (data seeds, batch order, eval sampling)", lo=0,
-                     hi=cli.SEED_MAX)
+    seed: int = flag(0, "seed of everything (data seeds, batch order, eval sampling)", lo=0, hi=cli.SEED_MAX)
     out: str | None = flag(None, "run folder (default: runs/sft-ENV-sSEED); never overwritten unless "
                            "--overwrite")
     resume: str | None = flag(None, "continue the run in this folder from its last checkpoint (only "

@@ -1,12 +1,13 @@
 """StarPO's update (paper section 2.2): the clipped policy loss, entropy bonus, KL to the initial policy,
-PPO's critic and value loss, and `update`, one pass of mini-batch steps. Per sampled token t, A_t from
+PPO's critic and value loss, `build_batch` (the log-probs and values the losses read), and `update`, one
+pass of mini-batch steps. Per sampled token t, A_t from
 advantages.py:
     ratio_t = exp(logp_t - old_logp_t)        (the log-ratio clamped to +-20)
     pg_t    = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high))
     loss    = agg(pg) - entropy_coef * agg(entropy) + kl_coef * agg(kl(logp, ref_logp))
 StarPO-S (section 4.2): eps_low 0.2, eps_high 0.28 (Clip-Higher), kl_coef 0 (StarPO: 0.2, 0.2, 0.001).
 Appendix C.2: entropy 0.001, 32 trajectories per optimizer step, agg a token mean over the mini-batch.
-Tensors are [B, T], right-padded, one row per sequence. Next: train.py, which builds the batch.
+Tensors are [B, T], right-padded, one row per sequence. Next: train.py, the loop that calls these.
 """
 from __future__ import annotations
 
@@ -21,8 +22,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.distributed import all_ranks, check_shard, micro_batches, no_sync, sum_ranks
-from engine.logprobs import TokenLogprobs, add_drift, drift_metrics, fused_token_logprobs
+from engine.distributed import all_ranks, check_shard, map_rows, micro_batches, no_sync, sum_ranks
+from engine.logprobs import TokenLogprobs, add_drift, drift_metrics, fused_token_logprobs, pad_logps
+from engine.logprobs import pad_segments, shared_prefix_len
+from engine.lora import adapters_off
+from engine.models import visiting
+from rollout import Segment, trained_mask
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 LOG_RATIO_CLAMP = 20.0
@@ -196,6 +201,42 @@ class Batch:
 
     def select(self, rows) -> "Batch":
         return self._map(lambda t: t[rows])
+
+
+@torch.no_grad()
+def build_batch(rows: list, models: dict, pad_id: int, cfg, device, amp, old_logp: bool,
+                ref_logp: bool) -> Batch:
+    """The update's inputs (section 2.2, Appendix A), without the advantages (advantages.py's
+    estimators fill them in): one row per (segment, trajectory) of `rows`, padded, and the log-probs
+    and values the losses read. `models`: the policy, its KL reference (None under LoRA: the policy
+    with its adapters off) and the critic (or None). `old_logp`: run the policy for the ratio's
+    denominator (a batch taking one optimizer step on fresh rollouts has ratio 1: `update` uses the
+    detached log-probs instead); `ref_logp`: run the KL reference. `cfg`: train.py's Config."""
+    segs = [Segment(s.input_ids, trained_mask(s, cfg.response_mask)) for s, _ in rows]
+    ids, attn, mask = [x.to(device) for x in pad_segments(segs, pad_id)]  # [B, T] each
+    pre = shared_prefix_len([s.input_ids for s in segs])  # run once
+
+    def logps(model, base_only=False):  # [B, T], micro-batch by micro-batch
+        def fn(i, a):
+            # base_only: a LoRA policy's frozen base, its KL reference
+            on = adapters_off(model) if base_only else visiting(model, device)
+            with on:
+                logp, _ = token_logprobs(model, i, a, cfg.temperature, cfg.fused, prefix_len=pre)
+            return logp.float()
+        return map_rows(fn, ids, attn, cfg.micro_batch)
+
+    policy, ref, critic = models["policy"], models["ref"], models["critic"]
+    old = ref_lp = values = None
+    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
+        if old_logp:
+            old = logps(policy)  # [B, T]
+        if ref_logp:
+            ref_lp = logps(policy, base_only=True) if ref is None else logps(ref)  # [B, T]
+        if critic is not None:
+            values = map_rows(critic, ids, attn, cfg.micro_batch).float()  # [B, T]
+    sampled = pad_logps([s for s, _ in rows], ids.shape[1]).to(device)  # [B, T], the sampler's
+    return Batch(input_ids=ids, attention_mask=attn, loss_mask=mask, advantages=None, old_logp=old,
+                 ref_logp=ref_lp, old_values=values, prefix_len=pre, rollout_logp=sampled)
 
 
 @dataclass

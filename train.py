@@ -30,20 +30,22 @@ from engine import cli
 from engine import distributed as dist
 from engine.checkpoint import open_run, read_metrics, restore_models, restore_optimizers
 from engine.checkpoint import resume_config, resume_point, save_checkpoint
-from engine.logprobs import TokenLogprobs, pad_logps, pad_segments, shared_prefix_len
-from engine.lora import adapters_off, apply_levers
+from engine.logprobs import TokenLogprobs
+from engine.lora import apply_levers
 from engine.models import DTYPES, autocast_dtype, check_budgets, choose_dtype, default_reply_tokens
 from engine.models import load_critic
 from engine.models import load_policy, memory_metrics, model_kind, pick_device
-from engine.models import setup_device, visiting
+from engine.models import setup_device
 from engine.report import iteration_line, run_line
 from engine.run import finish_run, inherit_rendering
 from envs import ENVS, train_seeds
 from eval import eval_metrics, rollout_metrics
-from filter import select_groups
+from extras.options import Options, plug
+from extras.options import describe as describe_options, rules as option_rules
+from filter import filter_groups, select_groups
 from monitor import EchoMonitor, watch
-from rollout import ROLLOUT_KEYS, RolloutConfig, Segment, rollout, trained_mask
-from starpo import AGG_MODES, Batch, Critic, UpdateConfig, merge_passes, token_logprobs
+from rollout import ROLLOUT_KEYS, RolloutConfig, rollout
+from starpo import AGG_MODES, Critic, UpdateConfig, build_batch, merge_passes, token_logprobs
 from starpo import update
 
 # the paper's two recipes (section 4.2, App. C.2); StarPO's KL is RAGEN's k1
@@ -57,14 +59,14 @@ MODEL_DEFAULTS = {
                  imitation_lr=2.5e-4, threads=1),
     "hf": dict(lr=1e-6, lora_lr=1e-5, critic_lr=1e-5, steps=200, eval_prompts=256, micro_batch=4,
                imitation_lr=5e-4, threads=os.cpu_count() or 1)}
-KL, METRICS, NOISE = ["k1", "k3"], ["reward_std", "reward_mean", "reward_sum"], ["shared", "independent"]
-FILTERS, TOP_P = ["top_k", "top_k_abs", "top_p", "min_p"], ["linear", "softmax"]
-DEMOS, GIGPO = ["hindsight", "best"], ["mean_norm", "mean_std_norm"]
-flag, option = cli.flag, cli.option
+KL, NOISE = ["k1", "k3"], ["shared", "independent"]
+flag = cli.flag
 
 
+# the options beyond the paper (opt-in) are Options' fields, in extras/options.py: `--help` lists
+# them after these, each default the paper's method; a run names those it uses in its first line
 @dataclass
-class Config:
+class Config(Options):
     # ---- the paper's method (section 4.2, Appendix C.2)
     env: str = flag("sokoban", "the environment (section 3.1)", choices=ENVS)
     algo: str = flag("grpo", "advantages: grpo (group-normalised), ppo (critic + GAE)", choices=ESTIMATORS)
@@ -105,32 +107,6 @@ class Config:
     eval_every: int = flag(10, "evaluate the start (iteration 0), every K and the last (0: the last)", lo=0)
     eval_prompts: int | None = flag(None, "eval prompts (default: tiny 128, hub 256)", lo=1, hi=256)
     eval_temperature: float = flag(0.5, "eval sampling temperature (paper: 0.5)", lo=0)
-    # ---- beyond the paper (opt-in, extras/options.py; a run names those it uses in its first line)
-    filter_strategy: str = option("top_k", "RAGEN's rules (top_k: the paper's)", choices=FILTERS)
-    filter_metric: str = option("reward_std", "the score groups are ranked by", choices=METRICS)
-    filter_include_zero: bool = option(True, "rank zero-score groups too (RAGEN-2: off)")
-    filter_top_p_mode: str = option("linear", "top_p over the score or softmax mass", choices=TOP_P)
-    filter_eps: float = option(0.01, "top_p linear: RAGEN's selection_eps", lo=0)
-    filter_empty_stop: int = option(0, "stop after K iterations with no group kept (RAGEN: 5)", lo=0)
-    turn_rewards: bool = option(False, "PPO: each turn's reward on its last token (RAGEN)")
-    bi_level_gae: bool = option(False, "PPO: turn-level, then token-level GAE (RAGEN)")
-    high_level_gamma: float = option(0.95, "--bi-level-gae's turn-level discount", lo=0, hi=1)
-    dual_clip: float = option(0.0, "verl's dual clip C > 1 (RAGEN's runs: 3; 0: off)", lo=0)
-    collapse_every: int = option(0, "RAGEN-2's template-collapse metrics every K iterations", lo=0)
-    collapse_samples: int = option(64, "first turns scored per collapse measurement", lo=2)
-    hindsight_imitation: int = option(0, "Sokoban: K passes of GCSL after each update", lo=0)
-    imitation_demos: str = option("hindsight", "its demos: relabelled, or each room's best", choices=DEMOS)
-    imitation_lr: float | None = option(None, "its AdamW's rate (default: tiny 2.5e-4, hub 5e-4)", gt=0)
-    gigpo_weight: float = option(1.0, "--algo gigpo: the step-level weight", lo=0)
-    gigpo_gamma: float = option(0.95, "--algo gigpo: the step-level discount", gt=0, hi=1)
-    gigpo_mode: str = option("mean_norm", "--algo gigpo: the step groups' normalisation", choices=GIGPO)
-    rollout_correction: str = option("none", "rollout-vs-update mismatch: tis (verl, TRL), mask (SkyRL)",
-                                     choices=["none", "tis", "mask"])
-    rollout_correction_cap: float = option(2.0, "its C: weights <= C; the mask keeps [1/C, C]", lo=1)
-    ratio_level: str = option("token", "PPO's ratio per token (the paper) or sequence (GSPO)",
-                              choices=["token", "sequence"])
-    gspo_clip_low: float = option(3e-4, "--ratio-level sequence: GSPO's eps_low", gt=0, lt=1)
-    gspo_clip_high: float = option(4e-4, "--ratio-level sequence: GSPO's eps_high", gt=0)
     # ---- the run, the model, memory
     seed: int = flag(0, "seed of everything (rooms, sampling, batch order)", lo=0, hi=cli.SEED_MAX)
     out: str | None = flag(None, "run folder (default: runs/ENV-ALGO-sSEED, preset, digest)")
@@ -166,13 +142,11 @@ def derive(cfg: Config, explicit: set[str] = frozenset()) -> Config:
     lora_lr = defaults.pop("lora_lr")
     if cfg.lora_rank:
         defaults["lr"] = lora_lr
+    defaults["max_new_tokens"] = default_reply_tokens(kind, cfg.env)
     cli.fill_defaults(cfg, defaults)
-    budget = default_reply_tokens(kind, cfg.env)
-    cli.fill_defaults(cfg, {"max_new_tokens": budget})
     if cfg.kl_in_reward is None:  # StarPO with PPO as the paper ran it
         cfg.kl_in_reward = cfg.preset == "starpo" and cfg.algo == "ppo"
-    typed_micro = "micro_batch" in explicit
-    if cfg.micro_batch > cfg.mini_batch and not typed_micro:
+    if cfg.micro_batch > cfg.mini_batch and "micro_batch" not in explicit:
         cfg.micro_batch = cfg.mini_batch  # a default follows what was typed
     share = cfg.filter <= 1 or cfg.filter_strategy == "top_k_abs"
     rules = [
@@ -188,9 +162,7 @@ def derive(cfg: Config, explicit: set[str] = frozenset()) -> Config:
          f"(this run: --env {cfg.env})"),
         (not cfg.webshop_data or Path(cfg.webshop_data).is_dir(),
          f"--webshop-data {cfg.webshop_data}: no such folder")]
-    if cli.opt_ins(cfg) or cfg.algo not in ("grpo", "ppo"):
-        from extras.options import rules as beyond
-        rules += beyond(cfg, explicit)
+    rules += option_rules(cfg, explicit)  # those of the options beyond the paper
     cli.check(cli.bounds(cfg) + rules)
     cfg.groups = cfg.prompts * cfg.online_k
     if cfg.out is None:
@@ -218,11 +190,8 @@ def configure(argv) -> tuple[Config, Path]:
 def describe(cfg: Config, device) -> str:
     """The run's first line. StarPO-S: the paper's three changes (the filter, no KL,
     Clip-Higher); StarPO: none of them; else, or with an option, "(modified)"."""
-    extra, modified = "", cfg.algo not in ("grpo", "ppo")
-    if cli.opt_ins(cfg) or modified:
-        from extras.options import describe as beyond
-        extra, changes = beyond(cfg)
-        modified = modified or changes
+    extra, modified = describe_options(cfg)  # " + ..." naming the options
+    modified = modified or cfg.algo not in ("grpo", "ppo")
     changes = [cfg.filter < 1, cfg.kl_coef == 0, cfg.clip_high > cfg.clip_low]
     name = "StarPO-S" if all(changes) else "StarPO"
     if modified or (any(changes) and not all(changes)):
@@ -255,9 +224,7 @@ def extension_points(cfg: Config, run: dict) -> dict:
     points = {"filter": paper_filter, "estimator": estimator(cfg.algo),
               "policy_loss": None, "after_rollout": [], "after_batch": [],
               "after_update": []}
-    if cli.opt_ins(cfg):
-        from extras.options import plug
-        plug(cfg, points, run)
+    plug(cfg, points, run)  # each option the run uses
     return points
 
 
@@ -280,81 +247,6 @@ def iteration_rollouts(cfg: Config, it: int, policy, tok, rcfg: RolloutConfig,
                     model=policy, generator=gen, env_overrides=env_kw,
                     samples=samples)
     return dist.all_gather_objects(trajs)
-
-
-def filter_groups(cfg: Config, trajs: list, points: dict):
-    """StarPO-S's filter: whole groups in or out -> (kept, why the update is
-    skipped, metrics). An empty batch, or one without a signal for the estimator,
-    is logged and skipped, never a silent zero loss."""
-    rewards = torch.tensor([t.reward for t in trajs])
-    rewards = rewards.view(cfg.groups, cfg.rollouts)  # [G, N]
-    keep, fs = points["filter"](rewards, cfg)
-    logged = ["in_group_std", "in_group_std_max", "chosen_in_group_std",
-              "filter_kept", "zero_std_groups"]
-    m = {f"rollout/{k}": fs[k] for k in logged}
-    kept = [t for t in trajs if keep[t.group_id]]
-    empty = fs["empty_selection"]
-    est = points["estimator"]
-    no_signal = fs["all_zero_std"] and not has_signal(est, kept, cfg)
-    m["train/skipped_zero_std"] = float(no_signal)
-    m["train/skipped_empty_filter"] = float(empty)
-    skip = "no group has a reward spread" if no_signal else None
-    if empty:
-        skip = "the filter kept no group"
-    return kept, skip, m
-
-
-@torch.no_grad()
-def prepare_batch(kept, cfg: Config, points: dict, models: dict, pad_id: int,
-                  device, amp, on_eval: bool):
-    """The update's inputs (section 2.2, Appendix A): one row per segment, the
-    log-probs and values the losses need, the estimator's advantages ->
-    (Batch, metrics). `models`: the policy, its KL reference (None under LoRA:
-    the policy with its adapters off) and the critic (or None)."""
-    rows = [(s, t) for t in kept for s in t.segments]
-    segs = [Segment(s.input_ids, trained_mask(s, cfg.response_mask))
-            for s, _ in rows]
-    ids, attn, mask = pad_segments(segs, pad_id)  # [B, T] each
-    ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
-    pre = shared_prefix_len([s.input_ids for s in segs])  # run once
-
-    def logps(model, base_only=False):  # [B, T], micro-batch by micro-batch
-        def fn(i, a):
-            # base_only: a LoRA policy's frozen base, its KL reference
-            on = adapters_off(model) if base_only else visiting(model, device)
-            with on:
-                logp, _ = token_logprobs(model, i, a, cfg.temperature,
-                                         cfg.fused, prefix_len=pre)
-            return logp.float()
-        return dist.map_rows(fn, ids, attn, cfg.micro_batch)
-
-    # one optimizer step on fresh rollouts has ratio 1: no old_logp pass (but for a
-    # hook after the batch, which may read it)
-    one_step = len(ids) <= cfg.mini_batch and cfg.ppo_epochs == 1
-    one_step = one_step and not cfg.kl_in_reward and not points["after_batch"]
-    policy, ref, critic = models["policy"], models["ref"], models["critic"]
-    old_logp = ref_logp = values = None
-    with torch.autocast(device.type, dtype=amp, enabled=amp is not None):
-        if not one_step:
-            old_logp = logps(policy)  # [B, T]
-        # without a KL term the reference only feeds train/kl_to_init on evals
-        if cfg.kl_coef or on_eval:
-            if ref is None:
-                ref_logp = logps(policy, base_only=True)  # [B, T]
-            else:
-                ref_logp = logps(ref)
-        if critic is not None:
-            values = dist.map_rows(critic, ids, attn, cfg.micro_batch)
-            values = values.float()  # [B, T]
-    sampled = pad_logps([s for s, _ in rows], ids.shape[1]).to(device)
-    batch = Batch(input_ids=ids, attention_mask=attn, loss_mask=mask,
-                  advantages=None, old_logp=old_logp, ref_logp=ref_logp,
-                  old_values=values, prefix_len=pre, rollout_logp=sampled)
-    adv, returns, metrics = points["estimator"](kept, rows, batch, cfg)
-    batch.advantages, batch.returns = adv, returns
-    for hook in points["after_batch"]:
-        hook(batch, metrics)
-    return batch, metrics
 
 
 def finite(policy) -> bool:  # one host sync, after a phase that stepped
@@ -441,8 +333,7 @@ def main(argv=None):
             restore_optimizers(state, optimizers)
             monitor = EchoMonitor(**state["monitor"])
             if dist.is_main():
-                path = out / "metrics.jsonl"
-                kept_metrics = read_metrics(path, start)
+                kept_metrics = read_metrics(out / "metrics.jsonl", start)
 
     # ---- 4. the run folder: the first line, config.json, metrics (rank 0)
     metrics_path = out / "metrics.jsonl"
@@ -480,18 +371,40 @@ def main(argv=None):
             for hook in points["after_rollout"]:
                 stop = hook(it, trajs, m) or stop
 
-            # 2. StarPO-S's filter
-            kept, skip, fm = filter_groups(cfg, trajs, points)
+            # 2. StarPO-S's filter: whole groups in or out. An empty batch, or
+            # one without a signal for the estimator, is logged and skipped,
+            # never a silent zero loss
+            kept, fm, fs = filter_groups(trajs, cfg.groups, points["filter"], cfg)
             m.update(fm)
+            est = points["estimator"]  # whether it learns without a spread
+            no_signal = fs["all_zero_std"] and not has_signal(est, kept, cfg)
+            m["train/skipped_zero_std"] = float(no_signal)
+            m["train/skipped_empty_filter"] = float(fs["empty_selection"])
+            skip = "no group has a reward spread" if no_signal else None
+            if fs["empty_selection"]:
+                skip = "the filter kept no group"
             if skip and dist.is_main():
                 tqdm.write(f"[iter {it + 1}] {skip}: update skipped (logged)")
 
             if not skip:
-                # 3. the batch: log-probs, values, advantages (no grad)
+                # 3. the batch: log-probs and values (no grad), then the
+                # estimator's advantages (section 2.2), one row a segment
                 t1 = time.time()
-                batch, pm = prepare_batch(kept, cfg, points, models,
-                                          tok.pad_token_id, device, amp,
-                                          on_eval=evaluates(cfg, it))
+                rows = [(s, t) for t in kept for s in t.segments]
+                # one optimizer step on fresh rollouts has ratio 1: no
+                # old_logp pass (but for a hook that may read it)
+                one_step = len(rows) <= cfg.mini_batch and cfg.ppo_epochs == 1
+                one_step = one_step and not cfg.kl_in_reward
+                one_step = one_step and not points["after_batch"]
+                # without a KL term, the reference only feeds train/kl_to_init
+                # on evals
+                ref_pass = bool(cfg.kl_coef) or evaluates(cfg, it)
+                batch = build_batch(rows, models, tok.pad_token_id, cfg, device,
+                                    amp, old_logp=not one_step, ref_logp=ref_pass)
+                adv, returns, pm = points["estimator"](kept, rows, batch, cfg)
+                batch.advantages, batch.returns = adv, returns
+                for hook in points["after_batch"]:  # may reweight or mask it
+                    hook(batch, pm)
                 m.update(pm)
                 m["time/prep"] = time.time() - t1
 

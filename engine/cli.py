@@ -106,9 +106,12 @@ def _parse_type(tp):
 def build_parser(cls, description: str, prog: str | None = None) -> argparse.ArgumentParser:
     parser = Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
+    beyond = parser.add_argument_group("beyond the paper (opt-in; each default is the paper's method)")
+    # the paper's flags first, the options beyond it after (a Config may inherit them from a base class)
+    for f in sorted(dataclasses.fields(cls), key=lambda f: bool(f.metadata.get("beyond"))):
         if f.metadata.get("derived"):  # computed after parsing, not a flag
             continue
+        group = beyond if f.metadata.get("beyond") else parser
         name = "--" + f.name.replace("_", "-")
         help_ = f.metadata.get("help", "")
         tp, nargs = _parse_type(hints[f.name])
@@ -117,12 +120,12 @@ def build_parser(cls, description: str, prog: str | None = None) -> argparse.Arg
             help_ = f"{help_} (default: {f.default})"
         # default=SUPPRESS: only flags the user typed land in the namespace (presets must not override them)
         if tp is bool:
-            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=help_)
+            group.add_argument(name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=help_)
         else:
-            parser.add_argument(name, type=finite_float if tp is float else tp, nargs=nargs,
-                                choices=f.metadata.get("choices"), default=argparse.SUPPRESS,
-                                metavar=f.name.upper(), help=help_)
+            group.add_argument(name, type=finite_float if tp is float else tp, nargs=nargs,
+                               choices=f.metadata.get("choices"), default=argparse.SUPPRESS,
+                               metavar=f.name.upper(), help=help_)
     return parser
 
 

@@ -1,5 +1,5 @@
-"""train.py's options beyond the paper: the rules their values must meet, and the words that name them in a
-run's first printed line. train.py imports this file only when a run uses one of them; each option's module
+"""train.py's options beyond the paper: their flags (`Options`, which train.Config inherits), the rules their
+values must meet, and the words that name them in a run's first printed line. train.py imports this file only when a run uses one of them; each option's module
 plugs into the loop's named points (train.extension_points) with its `plug(cfg, points, run)`.
 
 Each option is opt-in (its default is the paper's method) and lives in its own file here: RAGEN HEAD's
@@ -11,10 +11,47 @@ that is an error too.
 from __future__ import annotations
 
 import importlib
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 from engine import cli
 from envs import ENVS
+
+METRICS = ["reward_std", "reward_mean", "reward_sum"]
+FILTERS, TOP_P = ["top_k", "top_k_abs", "top_p", "min_p"], ["linear", "softmax"]
+DEMOS, GIGPO = ["hindsight", "best"], ["mean_norm", "mean_std_norm"]
+option = cli.option
+
+
+@dataclass
+class Options:
+    """train.py's flags beyond the paper: train.Config inherits them, `--help` lists them after the paper's.
+    Each default is the paper's method; a run names those it uses in its first line (`describe`)."""
+    filter_strategy: str = option("top_k", "RAGEN's rules (top_k: the paper's)", choices=FILTERS)
+    filter_metric: str = option("reward_std", "the score groups are ranked by", choices=METRICS)
+    filter_include_zero: bool = option(True, "rank zero-score groups too (RAGEN-2: off)")
+    filter_top_p_mode: str = option("linear", "top_p over the score or softmax mass", choices=TOP_P)
+    filter_eps: float = option(0.01, "top_p linear: RAGEN's selection_eps", lo=0)
+    filter_empty_stop: int = option(0, "stop after K iterations with no group kept (RAGEN: 5)", lo=0)
+    turn_rewards: bool = option(False, "PPO: each turn's reward on its last token (RAGEN)")
+    bi_level_gae: bool = option(False, "PPO: turn-level, then token-level GAE (RAGEN)")
+    high_level_gamma: float = option(0.95, "--bi-level-gae's turn-level discount", lo=0, hi=1)
+    dual_clip: float = option(0.0, "verl's dual clip C > 1 (RAGEN's runs: 3; 0: off)", lo=0)
+    collapse_every: int = option(0, "RAGEN-2's template-collapse metrics every K iterations", lo=0)
+    collapse_samples: int = option(64, "first turns scored per collapse measurement", lo=2)
+    hindsight_imitation: int = option(0, "Sokoban: K passes of GCSL after each update", lo=0)
+    imitation_demos: str = option("hindsight", "its demos: relabelled, or each room's best", choices=DEMOS)
+    imitation_lr: float | None = option(None, "its AdamW's rate (default: tiny 2.5e-4, hub 5e-4)", gt=0)
+    gigpo_weight: float = option(1.0, "--algo gigpo: the step-level weight", lo=0)
+    gigpo_gamma: float = option(0.95, "--algo gigpo: the step-level discount", gt=0, hi=1)
+    gigpo_mode: str = option("mean_norm", "--algo gigpo: the step groups' normalisation", choices=GIGPO)
+    rollout_correction: str = option("none", "rollout-vs-update mismatch: tis (verl, TRL), mask (SkyRL)",
+                                     choices=["none", "tis", "mask"])
+    rollout_correction_cap: float = option(2.0, "its C: weights <= C; the mask keeps [1/C, C]", lo=1)
+    ratio_level: str = option("token", "PPO's ratio per token (the paper) or sequence (GSPO)",
+                              choices=["token", "sequence"])
+    gspo_clip_low: float = option(3e-4, "--ratio-level sequence: GSPO's eps_low", gt=0, lt=1)
+    gspo_clip_high: float = option(4e-4, "--ratio-level sequence: GSPO's eps_high", gt=0)
+
 
 PLUGS = {  # an option (a Config field of train.py) -> the module here that plugs it into the loop
     "filter_strategy": "extras.filter_rules", "filter_metric": "extras.filter_rules",

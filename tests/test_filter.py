@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from extras.filter_rules import select_groups_by_rule  # noqa: E402
-from filter import select_groups  # noqa: E402
+from filter import filter_groups, select_groups  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -252,3 +252,16 @@ def test_bad_settings_raise_one_line(kw, match):
     with pytest.raises(ValueError, match=match) as err:
         select_groups_by_rule(torch.rand(4, 3), **kw)
     assert "\n" not in str(err.value)
+
+
+def test_filter_groups_keeps_whole_groups_and_logs_them():
+    """filter_groups: a prompt's N trajectories are kept or dropped together, in their order, and the metrics
+    logged under rollout/ are the rule's."""
+    from types import SimpleNamespace as T
+    rewards = [[0.0, 0.0, 0.0], [0.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 1.0, 1.0]]  # [G=4, N=3]
+    trajs = [T(group_id=g, reward=r, k=k) for g, row in enumerate(rewards) for k, r in enumerate(row)]
+    rule = lambda group_rewards, cfg: select_groups(group_rewards, 0.5)  # noqa: E731
+    kept, metrics, stats = filter_groups(trajs, 4, rule, None)
+    assert [(t.group_id, t.k) for t in kept] == [(1, 0), (1, 1), (1, 2), (3, 0), (3, 1), (3, 2)]
+    assert metrics["rollout/filter_kept"] == 0.5 and metrics["rollout/zero_std_groups"] == 2
+    assert stats["dropped_groups"] == [0, 2] and not stats["all_zero_std"]
