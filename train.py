@@ -340,7 +340,7 @@ def main(argv=None):
     if dist.is_main():
         print(describe(cfg, f"{device}, {dtype}"))
         fresh = cfg.overwrite and not cfg.resume
-        metrics_path = open_run(out, asdict(cfg), start, kept_metrics,
+        metrics_path = open_run(out, cli.as_dict(cfg), start, kept_metrics,
                                 fresh, ck)
 
     # ---- 5. the loop, after an eval of the start: iteration 0, the level the run is compared with (verl's
@@ -458,7 +458,7 @@ def main(argv=None):
                 if saves and not diverged:
                     state = {**optimizers, "monitor": asdict(monitor)}
                     nets = {"policy": policy, "critic": critic}
-                    save_checkpoint(out, it + 1, tok, nets, state, asdict(cfg))
+                    save_checkpoint(out, it + 1, tok, nets, state, cli.as_dict(cfg))
                     saved_at = it + 1
                 tqdm.write(iteration_line(m))
 

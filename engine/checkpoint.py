@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -200,4 +200,4 @@ def save_final(out: Path, policy, tok, cfg) -> None:
     final = out / "final"
     policy.save_pretrained(final, state_dict=plain_state_dict(policy))
     tok.save_pretrained(final)
-    (final / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    (final / "train_config.json").write_text(json.dumps(cli.as_dict(cfg), indent=2))

@@ -45,6 +45,14 @@ def opt_ins(cfg) -> list[str]:
             if f.metadata.get("beyond") and f.default is not None and getattr(cfg, f.name) != f.default]
 
 
+def as_dict(cfg) -> dict:
+    """dataclasses.asdict, the paper's fields first and the options beyond it after (as `--help` lists them;
+    a Config may inherit its options from a base class, whose fields come first in asdict)."""
+    fields = sorted(dataclasses.fields(cfg), key=lambda f: bool(f.metadata.get("beyond")))
+    values = dataclasses.asdict(cfg)
+    return {f.name: values[f.name] for f in fields}
+
+
 def bounds(cfg) -> list[tuple[bool, str]]:
     """The (ok, message) rules of every field's bounds (`flag`), for `check`; a value still None is not
     checked."""
