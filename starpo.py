@@ -1,7 +1,6 @@
 """StarPO's update (paper section 2.2): the clipped policy loss, entropy bonus, KL to the initial policy,
 PPO's critic and value loss, `build_batch` (the log-probs and values the losses read), and `update`, one
-pass of mini-batch steps. Per sampled token t, A_t from
-advantages.py:
+pass of mini-batch steps. Per sampled token t, A_t from advantages.py:
     ratio_t = exp(logp_t - old_logp_t)        (the log-ratio clamped to +-20)
     pg_t    = max(-A_t * ratio_t, -A_t * clip(ratio_t, 1 - eps_low, 1 + eps_high))
     loss    = agg(pg) - entropy_coef * agg(entropy) + kl_coef * agg(kl(logp, ref_logp))
