@@ -45,12 +45,16 @@ def opt_ins(cfg) -> list[str]:
             if f.metadata.get("beyond") and f.default is not None and getattr(cfg, f.name) != f.default]
 
 
+def paper_first(cls_or_cfg) -> list:
+    """The dataclass's fields, the paper's first and the options beyond it after (a Config may inherit its
+    options from a base class, whose fields dataclasses lists first): the order of `--help` and `as_dict`."""
+    return sorted(dataclasses.fields(cls_or_cfg), key=lambda f: bool(f.metadata.get("beyond")))
+
+
 def as_dict(cfg) -> dict:
-    """dataclasses.asdict, the paper's fields first and the options beyond it after (as `--help` lists them;
-    a Config may inherit its options from a base class, whose fields come first in asdict)."""
-    fields = sorted(dataclasses.fields(cfg), key=lambda f: bool(f.metadata.get("beyond")))
+    """dataclasses.asdict in `paper_first` order (config.json, the logged config)."""
     values = dataclasses.asdict(cfg)
-    return {f.name: values[f.name] for f in fields}
+    return {f.name: values[f.name] for f in paper_first(cfg)}
 
 
 def bounds(cfg) -> list[tuple[bool, str]]:
@@ -115,8 +119,7 @@ def build_parser(cls, description: str, prog: str | None = None) -> argparse.Arg
     parser = Parser(prog=prog, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     hints = typing.get_type_hints(cls)
     beyond = parser.add_argument_group("beyond the paper (opt-in; each default is the paper's method)")
-    # the paper's flags first, the options beyond it after (a Config may inherit them from a base class)
-    for f in sorted(dataclasses.fields(cls), key=lambda f: bool(f.metadata.get("beyond"))):
+    for f in paper_first(cls):  # the paper's flags first, the options beyond it after
         if f.metadata.get("derived"):  # computed after parsing, not a flag
             continue
         group = beyond if f.metadata.get("beyond") else parser
