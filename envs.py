@@ -8,6 +8,8 @@ The experts feed the SFT baseline. Rooms: engine/rooms.py; WebShop: extras/websh
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from engine.rooms import (DIRS, bool_option, float_option, generate_lake, generate_sokoban_room, int_option,
@@ -363,6 +365,14 @@ def _webshop(**overrides):  # imported only when a run asks for it
 
 ENVS = {env.name: env for env in (BanditEnv, BanditRevEnv, BanditTestEnv, SokobanEnv, SokobanNewVocabEnv,
                                   LargeSokobanEnv, FrozenLakeEnv)} | {"webshop": _webshop}
+
+
+def data_rules(data_dir: str | None, envs: list[str]) -> list[tuple[bool, str]]:
+    """The rules of --webshop-data, the original WebShop files (section 3.1): a folder, for the webshop
+    env only; (holds, one-line error) pairs for cli.check."""
+    return [(not data_dir or "webshop" in envs,
+             f"--webshop-data {data_dir}: only for the webshop env (this command's: {', '.join(envs)})"),
+            (not data_dir or Path(data_dir).is_dir(), f"--webshop-data {data_dir}: no such folder")]
 
 
 def make_env(name: str, **overrides):

@@ -26,7 +26,7 @@ from engine.checkpoint import saved_settings
 from engine.models import DTYPES, choose_dtype, default_reply_tokens, default_threads, load_policy
 from engine.models import model_kind, pick_device, run_policy, setup_device
 from engine.report import dump, eval_line, table
-from envs import ENVS, EVAL_SEEDS
+from envs import ENVS, EVAL_SEEDS, data_rules
 from rollout import ROLLOUT_KEYS, RolloutConfig, Trajectory, expert_thought, rollout
 
 SCRIPTED = ("random", "expert")  # the scripted policies --policy names
@@ -228,11 +228,7 @@ def check_envs(cfg: Config) -> list[str]:
         (cfg.samples == 1 or cfg.temperature > 0 or cfg.policy in SCRIPTED,
          f"--samples {cfg.samples}: --temperature 0 decodes greedily, every sample would repeat the "
          f"first; use 1 or a temperature above 0"),
-        (not cfg.webshop_data or "webshop" in envs,
-         f"--webshop-data {cfg.webshop_data}: only for the webshop env (evaluating: {', '.join(envs)})"),
-        (not cfg.webshop_data or Path(cfg.webshop_data).is_dir(),
-         f"--webshop-data {cfg.webshop_data}: no such folder"),
-    ])
+    ] + data_rules(cfg.webshop_data, envs))
     return envs
 
 

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import distributed as dist
 from engine.models import autocast_dtype, turn_close
-from envs import make_env
+from envs import make_env, train_seeds
 
 SYSTEM_PROMPT = "You're a helpful assistant."
 # the settings a policy is trained and evaluated with
@@ -285,6 +286,23 @@ def rollout(env: str | list, seeds: list[int], group_ids: list[int], cfg: Rollou
         if tokenizer is not None and cfg.context_turns == 0 and running[i] is not None:
             t.segments = [running[i]]
     return trajs
+
+
+def group_rollouts(cfg, it: int, seed: int, policy, tok, rcfg: RolloutConfig, env_kw: dict, device) -> list:
+    """Training iteration `it`'s P x N rollouts (section 2.1, `seed`: its own): cfg.groups rooms, each
+    rolled out --rollouts times, a group that shares its room and (--group-noise shared, RAGEN's) its
+    luck. Under torchrun each rank rolls out its share of the groups and all ranks get them all."""
+    gen = torch.Generator(device=device).manual_seed(seed + (dist.rank() << 40))
+    seeds = train_seeds([cfg.seed, it], cfg.groups)
+    mine, n = dist.my_range(cfg.groups), cfg.rollouts
+    env_seeds = [seeds[g] for g in mine for _ in range(n)]
+    group_ids = [g for g in mine for _ in range(n)]
+    shared = cfg.group_noise == "shared"
+    samples = [0 if shared else k for _ in mine for k in range(n)]
+    policy.eval()
+    trajs = rollout(cfg.env, env_seeds, group_ids, rcfg, tokenizer=tok, model=policy, generator=gen,
+                    env_overrides=env_kw, samples=samples)
+    return dist.all_gather_objects(trajs)
 
 
 def act_turn(env, reply: str, actions_left: int, cfg: RolloutConfig, obs: str, n_tok: int) -> Turn:

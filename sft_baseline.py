@@ -21,15 +21,15 @@ import numpy as np
 import torch
 
 from engine import cli
-from engine.checkpoint import open_run, read_metrics, restore_models, resume_config, resume_point
-from engine.checkpoint import save_checkpoint, save_final
+from engine.checkpoint import append_metrics, open_run, read_metrics, restore_models, resume_config
+from engine.checkpoint import resume_point, save_checkpoint, save_final
 from engine.logprobs import pad_segments, shared_prefix_len, sorted_micro_batches
 from engine.lora import add_lora, merge_lora, trainable_state
 from engine.models import DTYPES, autocast_dtype, check_budgets, choose_dtype, default_reply_tokens
 from engine.models import default_threads, load_policy, model_kind
 from engine.models import pick_device, setup_device, unknown_words
 from engine.report import dump, step_line
-from envs import ENVS, train_seeds
+from envs import ENVS, data_rules, train_seeds
 from eval import evaluate, expert_agent
 from rollout import RolloutConfig, Segment, prefill, rollout
 from starpo import token_logprobs
@@ -121,10 +121,7 @@ def derive(cfg: Config) -> Config:
     cli.check(cli.bounds(cfg) + [
         (1 <= cfg.expert_actions <= cfg.max_actions_per_turn,
          f"--expert-actions {cfg.expert_actions}: must be in 1..{cfg.max_actions_per_turn} "
-         f"(--max-actions-per-turn)"),
-        (not cfg.webshop_data or cfg.env == "webshop", "--webshop-data: only for --env webshop"),
-        (not cfg.webshop_data or Path(cfg.webshop_data).is_dir(),
-         f"--webshop-data {cfg.webshop_data}: no such folder")])
+         f"(--max-actions-per-turn)")] + data_rules(cfg.webshop_data, [cfg.env]))
     if cfg.out is None:
         cfg.out = f"runs/sft-{cfg.env}-s{cfg.seed}"
     return cfg
@@ -332,8 +329,7 @@ def main(argv=None):
                               "time/eval": time.time() - t2})
             # 3. log, checkpoint
             m["time/iteration"] = time.time() - t0
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(m) + "\n")
+            append_metrics(metrics_path, m)
             if cfg.save_every and ((it + 1) % cfg.save_every == 0 or it + 1 == cfg.steps):
                 saved = {"opt": opt, "sched": sched, "initial_loss": initial_loss, "best": best}
                 save_checkpoint(out, it + 1, tok, {"policy": policy}, saved, config=asdict(cfg))

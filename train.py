@@ -16,37 +16,34 @@ from __future__ import annotations
 
 import copy
 import functools
-import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
+from tqdm import tqdm
 
 from advantages import ESTIMATORS, estimator, has_signal
 from engine import cli
 from engine import distributed as dist
-from engine.checkpoint import open_run, read_metrics, restore_models, restore_optimizers
+from engine.checkpoint import append_metrics, open_run, read_metrics, restore_models, restore_optimizers
 from engine.checkpoint import resume_config, resume_point, save_checkpoint
 from engine.logprobs import TokenLogprobs
 from engine.lora import apply_levers
-from engine.models import DTYPES, autocast_dtype, check_budgets, choose_dtype, default_reply_tokens
-from engine.models import load_critic
-from engine.models import load_policy, memory_metrics, model_kind, pick_device
-from engine.models import setup_device
+from engine.models import DTYPES, all_finite, autocast_dtype, check_budgets, choose_dtype
+from engine.models import default_reply_tokens, load_critic, load_policy, memory_metrics
+from engine.models import model_kind, pick_device, setup_device
 from engine.report import iteration_line, run_line
-from engine.run import finish_run, inherit_rendering
-from envs import ENVS, train_seeds
+from engine.run import finish_run, inherit_rendering, run_complete, stopped
+from envs import ENVS, data_rules
 from eval import eval_metrics, rollout_metrics
 from extras.options import Options, plug
 from extras.options import describe as describe_options, rules as option_rules
 from filter import filter_groups, select_groups
 from monitor import EchoMonitor, watch
-from rollout import ROLLOUT_KEYS, RolloutConfig, rollout
-from starpo import AGG_MODES, Critic, UpdateConfig, build_batch, merge_passes, token_logprobs
-from starpo import update
+from rollout import ROLLOUT_KEYS, RolloutConfig, group_rollouts
+from starpo import AGG_MODES, Critic, UpdateConfig, build_batch, merge_passes, token_logprobs, update
 
 # the paper's two recipes (section 4.2, App. C.2); StarPO's KL is RAGEN's k1
 PRESETS = {
@@ -63,8 +60,7 @@ KL, NOISE = ["k1", "k3"], ["shared", "independent"]
 flag = cli.flag
 
 
-# the options beyond the paper (opt-in) are Options' fields, in extras/options.py: `--help` lists
-# them after these, each default the paper's method; a run names those it uses in its first line
+# options beyond the paper, opt-in: Options' fields (extras/options.py), after these in --help
 @dataclass
 class Config(Options):
     # ---- the paper's method (section 4.2, Appendix C.2)
@@ -156,12 +152,8 @@ def derive(cfg: Config, explicit: set[str] = frozenset()) -> Config:
                 f"{cfg.filter_strategy} (a share; top_k_abs takes a number of groups)"),
         (cfg.micro_batch <= cfg.mini_batch,
          f"--micro-batch {cfg.micro_batch}: larger than --mini-batch "
-         f"{cfg.mini_batch} (a micro-batch is part of a mini-batch)"),
-        (not cfg.webshop_data or cfg.env == "webshop",
-         f"--webshop-data {cfg.webshop_data}: only for --env webshop "
-         f"(this run: --env {cfg.env})"),
-        (not cfg.webshop_data or Path(cfg.webshop_data).is_dir(),
-         f"--webshop-data {cfg.webshop_data}: no such folder")]
+         f"{cfg.mini_batch} (a micro-batch is part of a mini-batch)")]
+    rules += data_rules(cfg.webshop_data, [cfg.env])
     rules += option_rules(cfg, explicit)  # those of the options beyond the paper
     cli.check(cli.bounds(cfg) + rules)
     cfg.groups = cfg.prompts * cfg.online_k
@@ -190,7 +182,7 @@ def configure(argv) -> tuple[Config, Path]:
 def describe(cfg: Config, device) -> str:
     """The run's first line. StarPO-S: the paper's three changes (the filter, no KL,
     Clip-Higher); StarPO: none of them; else, or with an option, "(modified)"."""
-    extra, modified = describe_options(cfg)  # " + ..." naming the options
+    extra, modified = describe_options(cfg)
     modified = modified or cfg.algo not in ("grpo", "ppo")
     changes = [cfg.filter < 1, cfg.kl_coef == 0, cfg.clip_high > cfg.clip_low]
     name = "StarPO-S" if all(changes) else "StarPO"
@@ -230,30 +222,6 @@ def extension_points(cfg: Config, run: dict) -> dict:
 
 # ---- the loop's steps
 
-def iteration_rollouts(cfg: Config, it: int, policy, tok, rcfg: RolloutConfig,
-                       env_kw: dict, device) -> list:
-    """Iteration `it`'s rollouts, in groups that share a room and its luck
-    (torchrun: each rank rolls out its groups, all ranks get them all)."""
-    seed = seed_of(cfg, it) + (dist.rank() << 40)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    seeds = train_seeds(np.random.default_rng([cfg.seed, it]), cfg.groups)
-    mine, n = dist.my_range(cfg.groups), cfg.rollouts
-    env_seeds = [seeds[g] for g in mine for _ in range(n)]
-    group_ids = [g for g in mine for _ in range(n)]
-    shared = cfg.group_noise == "shared"
-    samples = [0 if shared else k for _ in mine for k in range(n)]
-    policy.eval()
-    trajs = rollout(cfg.env, env_seeds, group_ids, rcfg, tokenizer=tok,
-                    model=policy, generator=gen, env_overrides=env_kw,
-                    samples=samples)
-    return dist.all_gather_objects(trajs)
-
-
-def finite(policy) -> bool:  # one host sync, after a phase that stepped
-    ok = [torch.isfinite(p).all() for p in policy.parameters()]
-    return bool(torch.stack(ok).all())
-
-
 def evaluates(cfg: Config, it: int) -> bool:  # every eval_every, and the last
     if it + 1 == cfg.steps:
         return True
@@ -268,15 +236,12 @@ def main(argv=None):
         cfg, out = configure(argv)
         # 0, or a resumed run's latest checkpoint
         start, state, ck = resume_point(cfg, out)
-        if ck and start == cfg.steps and (out / "final").is_dir():  # nothing to do, nothing written
-            print(f"{out}: the run is complete ({start} iterations); evaluate it with python eval.py "
-                  f"--policy {out}, or continue it with --resume {out} --steps N (N > {start})")
+        if run_complete(out, start, cfg.steps, ck):  # nothing to do, nothing written
             return out
 
         # ---- 2. the setup: device, policy, critic, reference, optimizers
         device = dist.init(pick_device(cfg.device))  # torchrun: a GPU each
-        k = f" x --online-k {cfg.online_k}" if cfg.online_k > 1 else ""
-        dist.check_groups(cfg.groups, f"--prompts {cfg.prompts}{k}")
+        dist.check_groups(cfg.prompts, cfg.online_k)
         dtype = choose_dtype(cfg.dtype, device, model_kind(cfg.model))
         setup_device(device, cfg.threads, cfg.memory_cap, dtype)
         amp = autocast_dtype(device)  # bf16 autocast or None; fp32 weights
@@ -343,15 +308,12 @@ def main(argv=None):
         metrics_path = open_run(out, cli.as_dict(cfg), start, kept_metrics,
                                 fresh, ck)
 
-    # ---- 5. the loop, after an eval of the start: iteration 0, the level the run is compared with (verl's
-    # val_before_train)
-    from tqdm import tqdm
+    # ---- 5. the loop, after an eval of the start (iteration 0: verl's val_before_train)
     if start == 0 and cfg.eval_every and dist.is_main():
         m = {"step": 0}
         m.update(eval_metrics(cfg.env, eval_rcfg, policy, tok, cfg.eval_prompts, cfg.seed, env_kw,
                               out / "trajectories-000000.txt", cfg.dump_trajectories))
-        with open(metrics_path, "a") as f:
-            f.write(json.dumps(m) + "\n")
+        append_metrics(metrics_path, m)
         print(iteration_line(m))
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps,
                desc=describe(cfg, "").split(":")[0], dynamic_ncols=True,
@@ -364,8 +326,8 @@ def main(argv=None):
             diverged = None
 
             # 1. rollouts: P prompts x N rollouts (x online_k), in groups
-            trajs = iteration_rollouts(cfg, it, policy, tok, train_rcfg,
-                                       env_kw, device)
+            trajs = group_rollouts(cfg, it, seed_of(cfg, it), policy, tok,
+                                   train_rcfg, env_kw, device)
             m.update(rollout_metrics(trajs))
             m["time/rollout"] = time.time() - t0
             for hook in points["after_rollout"]:
@@ -396,14 +358,13 @@ def main(argv=None):
                 one_step = len(rows) <= cfg.mini_batch and cfg.ppo_epochs == 1
                 one_step = one_step and not cfg.kl_in_reward
                 one_step = one_step and not points["after_batch"]
-                # without a KL term, the reference only feeds train/kl_to_init
-                # on evals
+                # no KL term: the reference only feeds train/kl_to_init, on evals
                 ref_pass = bool(cfg.kl_coef) or evaluates(cfg, it)
                 batch = build_batch(rows, models, tok.pad_token_id, cfg, device,
                                     amp, old_logp=not one_step, ref_logp=ref_pass)
-                adv, returns, pm = points["estimator"](kept, rows, batch, cfg)
+                adv, returns, pm = est(kept, rows, batch, cfg)
                 batch.advantages, batch.returns = adv, returns
-                for hook in points["after_batch"]:  # may reweight or mask it
+                for hook in points["after_batch"]:
                     hook(batch, pm)
                 m.update(pm)
                 m["time/prep"] = time.time() - t1
@@ -415,8 +376,7 @@ def main(argv=None):
                     critic.train()
                 passes = []
                 for k in range(cfg.ppo_epochs):
-                    gen = torch.Generator()
-                    gen.manual_seed(seed_of(cfg, it, k))
+                    gen = torch.Generator().manual_seed(seed_of(cfg, it, k))
                     shard = (dist.rank(), dist.world_size())
                     passes.append(update(train_policy, opt, batch, ucfg,
                                          train_critic, critic_opt, gen, amp,
@@ -424,14 +384,14 @@ def main(argv=None):
                 m.update(merge_passes(passes))
                 m["train/rows"] = len(batch)
                 m["time/update"] = time.time() - t2
-                if not finite(policy):
+                if not all_finite(policy):
                     diverged = "the update made the weights non-finite"
 
             # 4b. the options' hooks after the update (none in the paper)
             if points["after_update"] and not diverged:
                 for hook in points["after_update"]:
                     stop = hook(it, trajs, m) or stop
-                if not finite(policy):
+                if not all_finite(policy):
                     diverged = "a hook made the weights non-finite"
 
             # 5. the Echo Trap monitor, eval, log, checkpoint: rank 0
@@ -451,8 +411,7 @@ def main(argv=None):
                         diverged = str(e)
                 m.update(memory_metrics(device))
                 m["time/iteration"] = time.time() - t0
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(m) + "\n")
+                append_metrics(metrics_path, m)
                 every = cfg.save_every
                 saves = every and ((it + 1) % every == 0 or last)
                 if saves and not diverged:
@@ -469,16 +428,9 @@ def main(argv=None):
                 if dist.is_main():
                     tqdm.write(f"stopping: {stop}")
                 break
-    except FloatingPointError as e:  # a diverged policy can no longer sample
-        last = f"{out}/ckpt-{saved_at:06d}" if saved_at else "none"
-        cli.fail(f"iteration {it + 1}: {e} (--lr {cfg.lr} is too high?); the metrics "
-                 f"so far are in {metrics_path}, the last checkpoint: {last}", code=1)
-    except KeyboardInterrupt:
+    except (FloatingPointError, KeyboardInterrupt) as e:  # a diverged policy, or Ctrl-C
         bar.close()
-        where = f"iteration {saved_at}" if saved_at else "none yet"
-        raise KeyboardInterrupt(
-            f"at iteration {it + 1} (last checkpoint: {where}); continue "
-            f"with: python train.py --resume {out}") from None
+        stopped(e, it + 1, saved_at, out, f"--lr {cfg.lr}")
     bar.close()
     # these hold the process group, which finish_run() frees
     del train_policy, train_critic, run, points

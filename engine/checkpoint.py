@@ -187,6 +187,12 @@ def open_run(out: Path, config: dict, start: int, kept_metrics: list[str], repla
     return metrics
 
 
+def append_metrics(path: Path, m: dict) -> None:
+    """One iteration's (or step's) metrics dict, a line at the end of metrics.jsonl (docs/metrics.md)."""
+    with open(path, "a") as f:
+        f.write(json.dumps(m) + "\n")
+
+
 def saved_settings(path: str | None, keys, flag: str) -> dict:
     """The settings `keys` in the train_config.json that train.py or sft_baseline.py saved beside a policy."""
     if path is None or not (Path(path) / "train_config.json").exists():

@@ -78,10 +78,11 @@ def main_first():
         barrier()
 
 
-def check_groups(groups: int, what: str) -> None:
-    """A ValueError unless the prompt groups (`what`: the flags that set them) split evenly over the
-    processes: a group never splits, its rollouts are normalised together."""
-    if groups % world_size():
+def check_groups(prompts: int, online_k: int = 1) -> None:
+    """A ValueError unless the prompt groups (--prompts x --online-k) split evenly over the processes: a
+    group never splits, its rollouts are normalised together."""
+    what = f"--prompts {prompts}" + (f" x --online-k {online_k}" if online_k > 1 else "")
+    if prompts * online_k % world_size():
         raise ValueError(f"{what}: must be divisible by the number of processes ({world_size()}); a prompt "
                          f"group never splits across processes")
 

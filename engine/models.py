@@ -106,6 +106,13 @@ def setup_device(device: torch.device, threads: int = 1, memory_cap: float | Non
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def all_finite(model) -> bool:
+    """Whether every weight of `model` is finite: one host sync, after a phase that stepped (a diverged
+    update stops the run with its last checkpoint intact)."""
+    ok = [torch.isfinite(p).all() for p in model.parameters()]
+    return bool(torch.stack(ok).all())
+
+
 def memory_metrics(device) -> dict:
     """CUDA: the allocator's peaks so far, allocated and reserved (GiB); nothing on a CPU."""
     if device.type != "cuda":
