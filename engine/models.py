@@ -13,6 +13,7 @@ closes a chat turn (`turn_close`, for rollout.py), the words a tokenizer maps to
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import re
@@ -299,15 +300,15 @@ def load_gguf(name: str, flag_name: str):
     except ImportError:
         raise ValueError(f"{flag_name} {name!r}: reading a .gguf file needs the packages gguf and accelerate "
                          f"(pip install gguf accelerate)") from None
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         loaded = _from_pretrained(AutoModelForCausalLM, str(path.parent), gguf_file=path.name)
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise ValueError(f"{flag_name} {name!r}: cannot read this .gguf file ({type(e).__name__}: {first})") \
             from None
+    config = copy.deepcopy(loaded.config)  # not read again: each read parses the whole file (~5 s)
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the weights are fp32 now: save them as a plain model
     model = AutoModelForCausalLM.from_config(config).float()

@@ -30,12 +30,13 @@ def smol():
 
 
 def test_the_engine_equals_the_reference_path_on_smollm2(smol):
-    """8 Sokoban episodes, 2 turns (the cache kept across them), 32-token replies, greedy: the engine (KV
-    kept, grouped-query attention with 9 / 3 heads, Llama layers) samples the same tokens, loss masks and
-    rewards as the Hugging Face forward. (Bandit's one turn adds nothing to check: it was dropped for time.)"""
+    """4 Sokoban rooms in one batch, 2 turns (the cache kept across them), 32-token replies, greedy: the engine
+    (KV kept, grouped-query attention with 9 / 3 heads, Llama layers) samples the same tokens, loss masks and
+    rewards as the Hugging Face forward. (Each room once: under greedy decoding a repeated room repeats its
+    episode and adds nothing to check; nor does Bandit's one turn. Both were dropped for time.)"""
     model, tok = smol
     cfg = R.RolloutConfig(temperature=0.0, max_turns=2, max_new_tokens=32)
-    seeds, groups = list(EVAL_SEEDS[:4]) * 2, [0, 1, 2, 3] * 2
+    seeds, groups = list(EVAL_SEEDS[:4]), [0, 1, 2, 3]
     env = "sokoban"
     engine = R.rollout(env, seeds, groups, cfg, tokenizer=tok, model=model)
     reference = R.rollout(env, seeds, groups, R.RolloutConfig(**{**cfg.__dict__, "kv_cache": False}),
@@ -43,7 +44,7 @@ def test_the_engine_equals_the_reference_path_on_smollm2(smol):
     same = [a.segments[0].input_ids == b.segments[0].input_ids and a.segments[0].loss_mask ==
             b.segments[0].loss_mask and a.reward == b.reward for a, b in zip(engine, reference)]
     assert all(same), f"{sum(same)} of {len(same)} episodes equal"
-    assert sum(t.response_tokens for tr in engine for t in tr.turns) > 8 * 10  # it really wrote replies
+    assert sum(t.response_tokens for tr in engine for t in tr.turns) > 4 * 10  # it really wrote replies
 
 
 def test_save_and_reload_round_trip(smol, tmp_path):

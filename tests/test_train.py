@@ -2,15 +2,19 @@
 
     python -m pytest -q tests/test_train.py
 
-Subprocess runs use a small tiny-policy build (2 layers, hidden 64, bandit only, seconds to build) passed as
---model, in --no-think mode (where such a small warm-up already answers well enough to give rewards a spread),
-with budgets of a few iterations, so the whole file takes well under a minute on one core.
+The runs use a small tiny-policy build (2 layers, hidden 64, bandit only, seconds to build) passed as --model, in
+--no-think mode (where such a small warm-up already answers well enough to give rewards a spread), with budgets of
+a few iterations. They call the script's main(argv) in this process (`run`), but for the smoke tests, which start
+the real scripts as `python` would.
 """
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,12 +30,39 @@ KEYS = ["rollout/reward_mean", "rollout/success", "rollout/in_group_std", "rollo
         "train/skipped_nonfinite", "time/rollout", "time/iteration"]
 
 
-def run(args, cwd, check=True):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    p = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
+IN_PROCESS = {"train.py", "eval.py", "sft_baseline.py"}
+
+
+def run(args, cwd, check=True, fresh=False):
+    """`python SCRIPT ARGS` in `cwd` -> (returncode, stdout, stderr). An entry script runs in this process
+    (its main(ARGS), as `python` would call it: saves the ~2 s start of a Python with torch, per run) unless
+    `fresh`; the smoke tests start the real script, once per script."""
+    if Path(args[0]).name in IN_PROCESS and not fresh:
+        p = run_main(Path(args[0]).stem, args[1:], cwd)
+    else:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        p = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=300)
     if check and p.returncode != 0:
         raise AssertionError(f"{args} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
     return p
+
+
+def run_main(module: str, argv: list[str], cwd) -> SimpleNamespace:
+    """main(argv) of an entry script, here: its exit code (SystemExit's; 0 when it returns), what it printed;
+    the working folder and torch's thread count as they were."""
+    import importlib
+    here, threads = os.getcwd(), torch.get_num_threads()
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    os.chdir(cwd)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            importlib.import_module(module).main(list(argv))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        os.chdir(here)
+        torch.set_num_threads(threads)
+    return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def read_jsonl(path):
@@ -42,7 +73,7 @@ def test_train_smoke_writes_metrics_dumps_checkpoint_and_final(bandit_tiny, tmp_
     out = tmp_path / "run"
     run([str(ROOT / "train.py"), "--env", "bandit", "--no-think", "--model", bandit_tiny, "--lr", "1e-3",
          "--steps", "2", "--prompts", "8", "--rollouts", "4", "--filter", "0.5", "--eval-every", "2",
-         "--eval-prompts", "8", "--out", str(out)], tmp_path)
+         "--eval-prompts", "8", "--out", str(out)], tmp_path, fresh=True)
     start, *rows = read_jsonl(out / "metrics.jsonl")
     assert start["step"] == 0 and "eval/success" in start  # the start's eval: the level the run must beat
     assert (out / "trajectories-000000.txt").is_file()
@@ -60,7 +91,7 @@ def test_train_smoke_writes_metrics_dumps_checkpoint_and_final(bandit_tiny, tmp_
     assert (final / "config.json").exists() and (final / "train_config.json").exists()
     # eval.py loads the final policy with the run's own rollout settings
     p = run([str(ROOT / "eval.py"), "--env", "bandit", "--policy", str(final), "--prompts", "8",
-             "--json", str(tmp_path / "e.json")], tmp_path)
+             "--json", str(tmp_path / "e.json")], tmp_path, fresh=True)
     assert "| bandit |" in p.stdout
     assert json.loads((tmp_path / "e.json").read_text())["rollout"]["bandit"]["max_turns"] == 5
 
