@@ -23,8 +23,8 @@ import torch
 
 from engine import cli
 from engine.checkpoint import saved_settings
-from engine.models import DTYPES, choose_dtype, default_reply_tokens, default_threads, load_policy
-from engine.models import model_kind, pick_device, run_policy, setup_device
+from engine.models import DTYPES, autocast_dtype, choose_dtype, default_reply_tokens, default_threads
+from engine.models import load_policy, model_kind, pick_device, run_policy, setup_device
 from engine.report import dump, eval_line, table
 from envs import ENVS, EVAL_SEEDS, data_rules
 from rollout import ROLLOUT_KEYS, RolloutConfig, Trajectory, expert_thought, rollout
@@ -161,8 +161,27 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict:
     return m
 
 
-def eval_batch(device) -> int:  # CUDA: the KV cache of 128 rows fits beside training
-    return 128 if device.type == "cuda" else 256
+EVAL_KV_BUDGET = 12 * 2 ** 30  # bytes: the most KV cache one eval batch may be estimated to fill on a CPU
+
+
+def eval_batch(device, model=None, rcfg: RolloutConfig | None = None) -> int:
+    """Episodes rolled out at once. CUDA: 128 (their KV cache fits beside training). A CPU: 256, halved while
+    the cache they could grow to passes EVAL_KV_BUDGET: a 256-token header, then per turn the reply cap and 128
+    tokens of feedback, x1.5 for the engine's room to grow (an upper bound: replies stop early). 256 Sokoban
+    episodes of SmolLM2 at 400-token replies filled 13 GiB at once and were killed on a 24 GiB machine."""
+    if device.type == "cuda":
+        return 128
+    rows = 256
+    if model is None or rcfg is None or not hasattr(model, "config"):
+        return rows
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    dtype = autocast_dtype(device) or next(model.parameters()).dtype
+    per_column = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * dtype.itemsize  # K and V
+    columns = 1.5 * (256 + rcfg.max_turns * (rcfg.max_new_tokens + 128))
+    while rows > 16 and rows * columns * per_column > EVAL_KV_BUDGET:
+        rows //= 2
+    return rows
 
 
 def evaluate(env: str, rcfg: RolloutConfig, model=None, tokenizer=None, agent=None, prompts: int = 256,
@@ -170,7 +189,7 @@ def evaluate(env: str, rcfg: RolloutConfig, model=None, tokenizer=None, agent=No
     """The first `prompts` (1..256) eval seeds, one rollout each, in batches; -> (metrics, trajectories)."""
     seeds = EVAL_SEEDS[:prompts]
     device = next(model.parameters()).device if model is not None else torch.device("cpu")
-    batch = batch or eval_batch(device)
+    batch = batch or eval_batch(device, model, rcfg)
     gen = torch.Generator(device=device).manual_seed(seed)  # eval never moves training's RNG
     trajs: list[Trajectory] = []
     was_training = model.training if model is not None else False

@@ -61,9 +61,38 @@ def test_eval_runs_in_chunks_of_128_rows_on_cuda(monkeypatch):
     sizes = []
     monkeypatch.setattr(eval_py, "rollout", lambda env, seeds, *a, **k: sizes.append(len(seeds)) or [])
     monkeypatch.setattr(eval_py, "summarize", lambda trajs, scripted=False: {})
-    monkeypatch.setattr(eval_py, "eval_batch", lambda device: 128)
+    monkeypatch.setattr(eval_py, "eval_batch", lambda device, model=None, rcfg=None: 128)
     eval_py.evaluate("bandit", None, agent=object(), prompts=256)
     assert sizes == [128, 128]
+
+
+def test_a_cpu_eval_batch_keeps_the_kv_cache_under_its_budget():
+    """Issue 65.5: 256 Sokoban episodes of SmolLM2 at 400-token replies, at once, filled 13 GiB and were killed.
+    A CPU eval halves its batch while the cache it could grow to passes EVAL_KV_BUDGET; the tiny prior and a
+    hub model's short replies keep 256 (the figures measured that way stay as they were)."""
+    from types import SimpleNamespace
+    import eval as eval_py
+    from rollout import RolloutConfig
+    smol = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9, hidden_size=576,
+                           head_dim=64)  # SmolLM2-135M's shape
+
+    class Model:
+        def __init__(self, config, dtype):
+            self.config, self.weight = config, torch.zeros(1, dtype=dtype)
+
+        def parameters(self):
+            yield self.weight
+
+    cpu = torch.device("cpu")
+    tiny = Model(SimpleNamespace(num_hidden_layers=4, num_key_value_heads=2, num_attention_heads=4,
+                                 hidden_size=128), torch.float32)
+    assert eval_py.eval_batch(cpu, tiny, RolloutConfig(max_new_tokens=400)) == 256
+    assert eval_py.eval_batch(cpu, Model(smol, torch.bfloat16), RolloutConfig(max_new_tokens=60)) == 256
+    for dtype, tokens in ((torch.bfloat16, 400), (torch.float32, 60), (torch.float32, 400)):
+        rows = eval_py.eval_batch(cpu, Model(smol, dtype), RolloutConfig(max_new_tokens=tokens))
+        per_row = 1.5 * (256 + 5 * (tokens + 128)) * 2 * 30 * 3 * 64 * dtype.itemsize
+        assert rows < 256 and rows * per_row <= eval_py.EVAL_KV_BUDGET < 2 * rows * per_row, (dtype, tokens)
+    assert eval_py.eval_batch(torch.device("cuda"), Model(smol, torch.bfloat16), RolloutConfig()) == 128
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 6, 8])

@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT))
 from engine import models as policy  # noqa: E402
 from tools import prior  # noqa: E402
 import rollout as R  # noqa: E402
-from eval import expert_agent, random_agent  # noqa: E402
+from eval import random_agent  # noqa: E402
 from engine.logprobs import pad_segments  # noqa: E402
 from conftest import MICRO  # noqa: E402
 
