@@ -165,10 +165,11 @@ EVAL_KV_BUDGET = 12 * 2 ** 30  # bytes: the most KV cache one eval batch may be 
 
 
 def eval_batch(device, model=None, rcfg: RolloutConfig | None = None) -> int:
-    """Episodes rolled out at once. CUDA: 128 (their KV cache fits beside training). A CPU: 256, halved while
-    the cache they could grow to passes EVAL_KV_BUDGET: a 256-token header, then per turn the reply cap and 128
-    tokens of feedback, x1.5 for the engine's room to grow (an upper bound: replies stop early). 256 Sokoban
-    episodes of SmolLM2 at 400-token replies filled 13 GiB at once and were killed on a 24 GiB machine."""
+    """Episodes rolled out at once. CUDA: 128 (their KV cache fits beside training). A CPU: 256, halved
+    while the cache they could grow to passes EVAL_KV_BUDGET: a 256-token header, then per turn the reply
+    cap and 128 tokens of feedback, x1.5 for the engine's room to grow (an upper bound: replies stop early).
+    256 Sokoban episodes of SmolLM2 at 400-token replies, at once, grew the process to 13 GB and were killed
+    (24 GiB)."""
     if device.type == "cuda":
         return 128
     rows = 256

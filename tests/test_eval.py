@@ -67,9 +67,9 @@ def test_eval_runs_in_chunks_of_128_rows_on_cuda(monkeypatch):
 
 
 def test_a_cpu_eval_batch_keeps_the_kv_cache_under_its_budget():
-    """Issue 65.5: 256 Sokoban episodes of SmolLM2 at 400-token replies, at once, filled 13 GiB and were killed.
-    A CPU eval halves its batch while the cache it could grow to passes EVAL_KV_BUDGET; the tiny prior and a
-    hub model's short replies keep 256 (the figures measured that way stay as they were)."""
+    """Issue 65.5: 256 Sokoban episodes of SmolLM2 at 400-token replies, at once, grew the process to 13 GB and
+    were killed. A CPU eval halves its batch while the cache it could grow to passes EVAL_KV_BUDGET; the tiny
+    prior and a hub model's short replies keep 256 (the figures measured that way stay as they were)."""
     from types import SimpleNamespace
     import eval as eval_py
     from rollout import RolloutConfig
