@@ -123,8 +123,9 @@ def apply_levers(models, rank: int, alpha: float, grad_checkpoint: bool, seed: i
     for model in models:
         if model is not None and rank:
             add_lora(model, rank, alpha)
-        if model is not None and grad_checkpoint and hasattr(model, "activation_checkpointing_enable"):
-            # transformers >= 5.2x's name; the old one warns there that it goes in v6
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        elif model is not None and grad_checkpoint:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if model is not None and grad_checkpoint:
+            kw = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.2x's name (the old one warns)
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
