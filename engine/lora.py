@@ -125,7 +125,8 @@ def apply_levers(models, rank: int, alpha: float, grad_checkpoint: bool, seed: i
             add_lora(model, rank, alpha)
         if model is not None and grad_checkpoint:
             kw = {"use_reentrant": False}
-            if hasattr(model, "activation_checkpointing_enable"):  # transformers 5.2x's name (the old one warns)
+            # transformers 5.2x's name; there the old one warns that it goes in v6
+            if hasattr(model, "activation_checkpointing_enable"):
                 model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
             else:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
