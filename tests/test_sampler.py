@@ -340,11 +340,31 @@ def test_exponential_sampling_draws_the_distribution_without_host_syncs(small, m
     monkeypatch.setattr(torch, "multinomial", lambda *a, **k: (_ for _ in ()).throw(AssertionError("synced")))
     for name in ("item", "tolist"):
         monkeypatch.setattr(torch.Tensor, name, lambda *a, **k: (_ for _ in ()).throw(AssertionError(name)))
-    t = S.sample(logits, 1.0, torch.Generator().manual_seed(0), exponential=True)
+    t = S.sample(logits, 1.0, torch.Generator().manual_seed(0), draw="exponential")
     monkeypatch.undo()
     counts = torch.bincount(t, minlength=5).tolist()
     assert chi2_pvalue_above(counts, probs.tolist())
     assert not chi2_pvalue_above(counts, [0.2] * 5)  # and the test can tell another distribution
+
+
+def test_inverse_cdf_sampling_draws_the_distribution_and_never_a_zero_probability_token():
+    """The CPU draw for hub-size vocabularies: the same distribution as multinomial (chi-square), never a token
+    of probability 0 (first, inside and last), only the rows asked for, the argmax at temperature 0; the tiny prior keeps
+    multinomial, so its numbers stay those of every run so far."""
+    probs = torch.tensor([0.0, 0.5, 0.2, 0.0, 0.15, 0.1, 0.05, 0.0])
+    logits = probs.log().repeat(20000, 1)  # log 0 = -inf: softmax gives exactly 0
+    t = S.sample(logits, 1.0, torch.Generator().manual_seed(0), draw="inverse_cdf")
+    counts = torch.bincount(t, minlength=8).tolist()
+    assert counts[0] == counts[3] == counts[7] == 0
+    kept = [1, 2, 4, 5, 6]
+    assert chi2_pvalue_above([counts[i] for i in kept], [probs[i].item() for i in kept])
+    assert not chi2_pvalue_above([counts[i] for i in kept], [0.2] * 5)
+    x, rows = torch.randn(4, 50), torch.tensor([1, 3])
+    t = S.sample(x, 0.7, torch.Generator().manual_seed(1), rows, draw="inverse_cdf")
+    assert t[0] == t[2] == 0 and 0 <= int(t[1]) < 50 and 0 <= int(t[3]) < 50
+    assert torch.equal(S.sample(x, 0.0, None, draw="inverse_cdf"), x.argmax(-1))
+    cpu = torch.device("cpu")
+    assert S.draw_rule(cpu, 668) == "multinomial" and S.draw_rule(cpu, 49152) == "inverse_cdf"
 
 
 def test_dynamic_rope_is_refused_for_cuda_graphs(small):
