@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -161,7 +162,11 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict:
     return m
 
 
-EVAL_KV_BUDGET = 12 * 2 ** 30  # bytes: the most KV cache one eval batch may be estimated to fill on a CPU
+# bytes: the most KV cache one eval batch may be estimated to fill on a CPU: 12 GiB, or a quarter of this
+# machine's memory if less (at 12 GiB on a 24 GiB machine, 128 episodes at 400-token replies beside two
+# training runs grew the process to 17.8 GB and were killed: the cache is not all an eval holds)
+EVAL_KV_BUDGET = min(12 * 2 ** 30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+                     if hasattr(os, "sysconf") else 4 * 2 ** 30)
 
 
 def eval_batch(device, model=None, rcfg: RolloutConfig | None = None) -> int:
@@ -169,7 +174,7 @@ def eval_batch(device, model=None, rcfg: RolloutConfig | None = None) -> int:
     while the cache they could grow to passes EVAL_KV_BUDGET: a 256-token header, then per turn the reply
     cap and 128 tokens of feedback, x1.5 for the engine's room to grow (an upper bound: replies stop early).
     256 Sokoban episodes of SmolLM2 at 400-token replies, at once, grew the process to 13 GB and were killed
-    (24 GiB)."""
+    (24 GiB); so did 128 beside two training runs."""
     if device.type == "cuda":
         return 128
     rows = 256

@@ -8,8 +8,9 @@ group) are prefilled once. A decode step is a hand-written forward over the mode
 bf16 copies refreshed in place once per rollout on CUDA) with static shapes: finished rows are fed a pad and
 masked, sampling and the stop test run on the device, and on CUDA each step is one CUDA graph per (batch,
 length) bucket, the host looking at the rows every `sync_every` steps. Plain softmax sampling at a
-temperature (`draw_rule`: how each device draws). `reference_generate` is the Hugging Face forward, every turn re-prefilled: the tests hold the
-engine to it, and it runs the architectures the engine does not know. Adding one: docs/engine.md.
+temperature (`draw_rule`: how each device draws). `reference_generate` is the Hugging Face forward, every
+turn re-prefilled: the tests hold the engine to it, and it runs the architectures the engine does not know.
+Adding one: docs/engine.md.
 """
 from __future__ import annotations
 
@@ -72,8 +73,8 @@ def draw_rule(device: torch.device, vocab: int) -> str:
     reference path alike (all three draw from the same distribution; they spend the generator differently):
     CUDA `exponential` (no host sync); a CPU `multinomial` for small vocabularies (the tiny prior: its numbers
     stay those of every run so far) and `inverse_cdf` for hub-size ones. torch.multinomial's CPU kernel draws
-    one Exp(1) number per vocabulary entry: measured 62-69 ms at [64, 49152] against 1.4-2.4 ms for one uniform
-    a row through the cumulative probabilities, the largest part of a CPU decode step of SmolLM2."""
+    one Exp(1) number per vocabulary entry: measured 62-69 ms at [64, 49152] against 1.4-2.4 ms for one
+    uniform a row through the cumulative probabilities, the largest part of a CPU decode step of SmolLM2."""
     if device.type == "cuda":
         return "exponential"
     return "multinomial" if vocab < SMALL_VOCAB else "inverse_cdf"

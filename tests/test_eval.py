@@ -66,13 +66,18 @@ def test_eval_runs_in_chunks_of_128_rows_on_cuda(monkeypatch):
     assert sizes == [128, 128]
 
 
-def test_a_cpu_eval_batch_keeps_the_kv_cache_under_its_budget():
+def test_a_cpu_eval_batch_keeps_the_kv_cache_under_its_budget(monkeypatch):
     """Issue 65.5: 256 Sokoban episodes of SmolLM2 at 400-token replies, at once, grew the process to 13 GB and
-    were killed. A CPU eval halves its batch while the cache it could grow to passes EVAL_KV_BUDGET; the tiny
-    prior and a hub model's short replies keep 256 (the figures measured that way stay as they were)."""
+    were killed. A CPU eval halves its batch while the cache it could grow to passes EVAL_KV_BUDGET (12 GiB,
+    or a quarter of the machine's memory if less); at 12 GiB the tiny prior and a hub model's short replies
+    keep 256."""
+    import os
     from types import SimpleNamespace
     import eval as eval_py
     from rollout import RolloutConfig
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert eval_py.EVAL_KV_BUDGET <= min(12 * 2 ** 30, memory / 4)
+    monkeypatch.setattr(eval_py, "EVAL_KV_BUDGET", 12 * 2 ** 30)
     smol = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9, hidden_size=576,
                            head_dim=64)  # SmolLM2-135M's shape
 

@@ -348,9 +348,9 @@ def test_exponential_sampling_draws_the_distribution_without_host_syncs(small, m
 
 
 def test_inverse_cdf_sampling_draws_the_distribution_and_never_a_zero_probability_token():
-    """The CPU draw for hub-size vocabularies: the same distribution as multinomial (chi-square), never a token
-    of probability 0 (first, inside and last), only the rows asked for, the argmax at temperature 0; the tiny prior keeps
-    multinomial, so its numbers stay those of every run so far."""
+    """The CPU draw for hub-size vocabularies: the same distribution as multinomial (chi-square), never a
+    token of probability 0 (first, inside and last), only the rows asked for, the argmax at temperature 0; the
+    tiny prior keeps multinomial, so its numbers stay those of every run so far."""
     probs = torch.tensor([0.0, 0.5, 0.2, 0.0, 0.15, 0.1, 0.05, 0.0])
     logits = probs.log().repeat(20000, 1)  # log 0 = -inf: softmax gives exactly 0
     t = S.sample(logits, 1.0, torch.Generator().manual_seed(0), draw="inverse_cdf")
