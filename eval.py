@@ -165,8 +165,8 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict:
 # bytes: the most KV cache one eval batch may be estimated to fill on a CPU: 12 GiB, or a quarter of this
 # machine's memory if less (at 12 GiB on a 24 GiB machine, 128 episodes at 400-token replies beside two
 # training runs grew the process to 17.8 GB and were killed: the cache is not all an eval holds)
-EVAL_KV_BUDGET = min(12 * 2 ** 30, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
-                     if hasattr(os, "sysconf") else 4 * 2 ** 30)
+MEMORY = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 16 * 2 ** 30
+EVAL_KV_BUDGET = min(12 * 2 ** 30, MEMORY // 4)
 
 
 def eval_batch(device, model=None, rcfg: RolloutConfig | None = None) -> int:

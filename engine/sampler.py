@@ -265,8 +265,9 @@ class Engine:
             self.graphs = False
         # the host reads the rows every step on CPU (free there): sampling then draws for live rows only
         self.sync_every = sync_every or (16 if cuda else 1)
-        self.table = stop_table(tokenizer, model.get_output_embeddings().weight.shape[0]).to(p.device)
-        self.draw = draw_rule(p.device, model.get_output_embeddings().weight.shape[0])
+        vocab = model.get_output_embeddings().weight.shape[0]
+        self.table = stop_table(tokenizer, vocab).to(p.device)
+        self.draw = draw_rule(p.device, vocab)
         self.is_end = torch.zeros(self.table.shape[1], dtype=torch.bool, device=p.device)
         self.is_end[end_ids(model, tokenizer)] = True
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
