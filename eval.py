@@ -24,9 +24,10 @@ import torch
 
 from engine import cli
 from engine.checkpoint import saved_settings
-from engine.models import DTYPES, autocast_dtype, choose_dtype, default_reply_tokens, default_threads
+from engine.models import DTYPES, choose_dtype, default_reply_tokens, default_threads
 from engine.models import load_policy, model_kind, pick_device, run_policy, setup_device
 from engine.report import dump, eval_line, table
+from engine.sampler import cache_dtype
 from envs import ENVS, EVAL_SEEDS, data_rules
 from rollout import ROLLOUT_KEYS, RolloutConfig, Trajectory, expert_thought, rollout
 
@@ -182,7 +183,7 @@ def eval_batch(device, model=None, rcfg: RolloutConfig | None = None) -> int:
         return rows
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    dtype = autocast_dtype(device) or next(model.parameters()).dtype
+    dtype = cache_dtype(model)  # the engine's rule
     per_column = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * dtype.itemsize  # K and V
     columns = 1.5 * (256 + rcfg.max_turns * (rcfg.max_new_tokens + 128))
     while rows > 16 and rows * columns * per_column > EVAL_KV_BUDGET:

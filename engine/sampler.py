@@ -65,6 +65,12 @@ def end_ids(model, tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+def cache_dtype(model) -> torch.dtype:
+    """The dtype of the engine's KV cache for `model`: the autocast dtype on its device, else its weights'."""
+    p = next(model.parameters())
+    return autocast_dtype(p.device) or p.dtype
+
+
 SMALL_VOCAB = 4096  # the tiny prior's 668 words; hub vocabularies are 32k-152k
 
 
@@ -256,7 +262,7 @@ class Engine:
         p = next(model.parameters())
         self.model, self.tokenizer, self.device, self.rows = model, tokenizer, p.device, rows
         self.amp = autocast_dtype(p.device)
-        self.dtype = self.amp or p.dtype
+        self.dtype = cache_dtype(model)
         cuda = p.device.type == "cuda"
         self.graphs_asked = graphs
         self.graphs = cuda if graphs is None else graphs and cuda
